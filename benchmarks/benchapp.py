@@ -1,0 +1,178 @@
+"""The Celery project the benchmark workers run: ``celery -A benchmarks.benchapp worker``.
+
+Configured by ``CAPS_BENCH_*`` environment variables (see :data:`ENV`), so each
+benchmark starts workers with its own broker key prefix, store, caps settings and
+cap names.  Workers consume no queue at start: the benchmark fills a fresh queue
+first and then tells the workers to consume it (``add_consumer``), so every
+trial starts from a full backlog.
+
+Tasks come in pairs that differ only in the cap (``noop`` / ``noop_capped``,
+``sleep`` / ``sleep_capped``): same app, same worker, same settings.  The
+utilisation tasks write one record per completed run to Redis (the side
+channel): publish time (a message header that put-back copies keep), start and
+end (``time.time()``, one machine), deferrals.  Workers count every message they
+publish (the put-back copies) with ``before_task_publish``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery, Task, signals
+
+from celery_caps import Cap, CappedTask
+
+#: Environment variables the app reads, with their defaults.
+ENV: dict[str, str] = {
+    "CAPS_BENCH_BROKER": "redis://127.0.0.1:6379/11",
+    "CAPS_BENCH_CAPS_URL": "",
+    "CAPS_BENCH_SIDE_URL": "redis://127.0.0.1:6379/11",
+    "CAPS_BENCH_PREFIX": "benchx-",
+    "CAPS_BENCH_LEASE": "30",
+    "CAPS_BENCH_BACKOFF_MIN": "0.5",
+    "CAPS_BENCH_BACKOFF_MAX": "20",
+    "CAPS_BENCH_GLOBAL_LIMIT": "4",
+    "CAPS_BENCH_TENANT_LIMIT": "1",
+    "CAPS_BENCH_PREFETCH": "4",
+    "CAPS_BENCH_EXTRA_CONF": "",  # "name=value;name=value" (numbers or strings), e.g. a strategy's settings
+}
+
+#: The message header that carries the publish time (seconds since the epoch).
+PUBLISHED_HEADER = "bench_published_at"
+#: Caps that never bind in the overhead benchmark.
+WIDE_LIMIT = 1_000_000
+
+
+def setting(env: Mapping[str, str], name: str) -> str:
+    return env.get(name) or ENV[name]
+
+
+def side_keys(prefix: str) -> dict[str, str]:
+    """Redis keys of the side channel."""
+    return {"runs": f"{prefix}side:runs", "publishes": f"{prefix}side:publishes", "library": f"{prefix}side:library"}
+
+
+def _parse_extra(text: str) -> dict[str, Any]:
+    conf: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, _, value = item.partition("=")
+        try:
+            conf[name.strip()] = float(value) if "." in value or "e" in value else int(value)
+        except ValueError:
+            conf[name.strip()] = value
+    return conf
+
+
+def make_app(env: Mapping[str, str]) -> Celery:
+    prefix = setting(env, "CAPS_BENCH_PREFIX")
+    broker = setting(env, "CAPS_BENCH_BROKER")
+    app = Celery(f"bench-{prefix}", broker=broker, set_as_current=True)
+    transport_options: dict[str, Any] = {}
+    if broker.startswith("redis"):
+        transport_options = {"global_keyprefix": f"{prefix}kombu:"}
+    conf: dict[str, Any] = {
+        "broker_transport_options": transport_options,
+        "broker_connection_retry_on_startup": True,
+        "control_exchange": f"{prefix}celery",
+        "event_exchange": f"{prefix}celeryev",
+        "task_default_queue": f"{prefix}idle",
+        "task_ignore_result": True,
+        # Capped tasks acknowledge late; the uncapped twins must too, for a fair comparison.
+        "task_acks_late": True,
+        "worker_prefetch_multiplier": int(setting(env, "CAPS_BENCH_PREFETCH")),
+        "worker_hijack_root_logger": False,
+        "caps_lease_seconds": float(setting(env, "CAPS_BENCH_LEASE")),
+        "caps_backoff_min_seconds": float(setting(env, "CAPS_BENCH_BACKOFF_MIN")),
+        "caps_backoff_max_seconds": float(setting(env, "CAPS_BENCH_BACKOFF_MAX")),
+        "caps_sweep_interval_seconds": None,
+    }
+    caps_url = setting(env, "CAPS_BENCH_CAPS_URL")
+    if caps_url:
+        conf["caps_url"] = caps_url
+    conf.update(_parse_extra(setting(env, "CAPS_BENCH_EXTRA_CONF")))
+    app.conf.update(conf)
+    _define_tasks(app, prefix, env)
+    return app
+
+
+class _SideChannel:
+    """One Redis connection per process (a prefork child must not share its parent's)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._pid = -1
+        self._client: redis.Redis | None = None
+
+    @property
+    def client(self) -> redis.Redis:
+        if self._client is None or self._pid != os.getpid():
+            self._client = redis.Redis.from_url(self.url)
+            self._pid = os.getpid()
+        return self._client
+
+
+def _header(request: Any, name: str) -> Any:
+    headers = getattr(request, "headers", None) or {}
+    value = headers.get(name)
+    return value if value is not None else getattr(request, name, None)
+
+
+def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
+    side = _SideChannel(setting(env, "CAPS_BENCH_SIDE_URL"))
+    keys = side_keys(prefix)
+    wide = Cap(f"{prefix}wide", WIDE_LIMIT)
+    global_cap = Cap(f"{prefix}global", int(setting(env, "CAPS_BENCH_GLOBAL_LIMIT")))
+    tenant_cap = Cap(f"{prefix}tenant", int(setting(env, "CAPS_BENCH_TENANT_LIMIT")), key=lambda tenant, ms: tenant)
+
+    @app.task(name="bench.noop", base=Task, shared=False)
+    def noop() -> None:
+        return None
+
+    @app.task(name="bench.noop_capped", base=CappedTask, cap=wide, shared=False)
+    def noop_capped() -> None:
+        return None
+
+    @app.task(name="bench.sleep", base=Task, shared=False)
+    def sleep(ms: float) -> None:
+        time.sleep(ms / 1000)
+
+    @app.task(name="bench.sleep_capped", base=CappedTask, cap=wide, shared=False)
+    def sleep_capped(ms: float) -> None:
+        time.sleep(ms / 1000)
+
+    def record(task: Any, tenant: str, ms: float) -> None:
+        start = time.time()
+        time.sleep(ms / 1000)
+        end = time.time()
+        request = task.request
+        published = float(_header(request, PUBLISHED_HEADER) or 0.0)
+        deferrals = int(_header(request, "caps_deferrals") or 0)
+        line = f"{request.id} {tenant} {published:.6f} {start:.6f} {end:.6f} {deferrals} {os.getpid()}"
+        side.client.rpush(keys["runs"], line)
+
+    @app.task(name="bench.global", base=CappedTask, cap=global_cap, bind=True, shared=False)
+    def global_task(self: Any, tenant: str, ms: float) -> None:
+        record(self, tenant, ms)
+
+    @app.task(name="bench.tenant", base=CappedTask, cap=tenant_cap, bind=True, shared=False)
+    def tenant_task(self: Any, tenant: str, ms: float) -> None:
+        record(self, tenant, ms)
+
+    if os.environ.get("CAPS_BENCH_WORKER") == "1":
+        import celery_caps
+
+        # Which celery_caps the workers run (the benchmark checks it is the one it measures).
+        side.client.set(keys["library"], str(Path(celery_caps.__file__).resolve()))
+
+        @signals.before_task_publish.connect(weak=False)
+        def count_publish(sender: Any = None, routing_key: Any = None, **_: Any) -> None:
+            # In a worker, every publish is a put-back copy.
+            side.client.hincrby(keys["publishes"], str(routing_key), 1)
+
+
+app = make_app(os.environ)

@@ -1,0 +1,350 @@
+"""Part 3: how well a binding cap's slots are used, for every waiting strategy the library has.
+
+Global: a cap of 4, tasks sleeping 100 ms, a backlog of 400 sent at once (with
+``apply_async``) to two running workers with ``-c 8``.  The ideal is the cap kept
+full: ``limit / duration`` = 40 tasks/s, the backlog done in 10 s, task *i* (in publish order) starting ``floor(i / 4) x
+100 ms`` after the first.  Reported: achieved throughput / ideal, deferrals
+(put-backs) per completed task, broker messages per completed task (the tasks
+that reached the broker when sent, plus every put-back or wake copy: 1.0 is the floor), and the wait from publish to
+start (p50/p99) next to the ideal schedule's waits.
+
+Per key: 8 tenants with a cap of 1 each and uneven load (a backlog of 240: 75
+tasks for the busiest, 9 for the quietest).  Ideal: each tenant runs back to back from the
+first start, so tenant *t* is done after ``count_t x 100 ms``.  Reported: slot
+utilisation (ideal busy time / achieved time, summed over tenants), the makespan
+against the ideal, and fairness: the spread of per-tenant utilisation (min,
+max, Jain's index) and of per-tenant median waits against their ideal.
+
+Every waiting strategy the library has is an entry of :data:`STRATEGIES` (backoff
+with its default bounds and with tight ones, and park and wake), with the settings
+that select it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .benchapp import ENV
+from .clients import caps_url_for, drop_slots, vacuum_database
+from .common import Figure, Options, Report, at_least, at_most, median, percentile, reachable, service_url
+from .workers import BenchFleet, wait_for
+
+PART = "utilisation"
+GLOBAL_LIMIT = 4
+TASK_MS = 100
+WORKERS = 2
+CONCURRENCY = 8
+#: Tenant -> share of the per-key backlog (uneven on purpose).
+TENANT_WEIGHTS = {"t1": 8, "t2": 6, "t3": 4, "t4": 3, "t5": 2, "t6": 1, "t7": 1, "t8": 1}
+UTILISATION_TARGET = 0.97
+#: Broker messages per completed task the park strategy should stay under.
+MESSAGES_TARGET = 1.1
+
+#: Waiting strategies: label -> the worker environment that selects it.
+#: (Put back with backoff; the bounds are caps_backoff_min/max_seconds, the first pair the defaults.)
+STRATEGIES: dict[str, dict[str, str]] = {
+    "backoff 0.5-20s": {
+        "CAPS_BENCH_BACKOFF_MIN": "0.5",
+        "CAPS_BENCH_BACKOFF_MAX": "20",
+        "CAPS_BENCH_EXTRA_CONF": "caps_strategy=backoff",
+    },
+    "backoff 0.05-1s": {
+        "CAPS_BENCH_BACKOFF_MIN": "0.05",
+        "CAPS_BENCH_BACKOFF_MAX": "1",
+        "CAPS_BENCH_EXTRA_CONF": "caps_strategy=backoff",
+    },
+    # Park and wake (celery_caps.parking): a full cap parks the task in the store's waiting list.
+    "park": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park"},
+}
+
+
+def tenant_counts(total: int) -> dict[str, int]:
+    weight_sum = sum(TENANT_WEIGHTS.values())
+    counts = {tenant: max(1, round(total * weight / weight_sum)) for tenant, weight in TENANT_WEIGHTS.items()}
+    counts["t1"] += total - sum(counts.values())
+    return counts
+
+
+def run(report: Report, options: Options) -> None:
+    broker = service_url("redis")
+    if reachable(broker):
+        report.note(f"utilisation benchmarks skipped: {reachable(broker)}")
+        return
+    backlog = 60 if options.quick else 400
+    # The per-key backlog is smaller: at the utilisation backoff reaches it is the slow one.
+    tenant_backlog = 48 if options.quick else 240
+    repeats = 1 if options.quick else 2
+    for store in [name for name in options.stores if name in options.utilisation_stores]:
+        caps_url, why = caps_url_for(store, options)
+        if caps_url is None:
+            report.note(f"utilisation benchmarks skip {store}: {why}")
+            continue
+        for number, (strategy, strategy_env) in enumerate(STRATEGIES.items()):
+            prefix = f"{options.run_prefix}u{store[:2]}{number}-"
+            env = dict(ENV)
+            env.update(strategy_env)
+            env.update(
+                {
+                    "CAPS_BENCH_BROKER": broker,
+                    "CAPS_BENCH_SIDE_URL": broker,
+                    "CAPS_BENCH_CAPS_URL": caps_url,
+                    "CAPS_BENCH_PREFIX": prefix,
+                    "CAPS_BENCH_GLOBAL_LIMIT": str(GLOBAL_LIMIT),
+                    "CAPS_BENCH_TENANT_LIMIT": "1",
+                }
+            )
+            vacuum_database(caps_url)
+            fleet = BenchFleet(env, Path(options.tmp_dir) / "logs")
+            try:
+                options.log(f"[utilisation] {store}, {strategy}: starting {WORKERS} workers x -c {CONCURRENCY}")
+                fleet.start(WORKERS, CONCURRENCY)
+                trials: dict[str, list[dict[str, Any]]] = defaultdict(list)
+                for repeat in range(repeats):
+                    for variant in ("global", "per-key"):
+                        trial = run_trial(fleet, variant, backlog if variant == "global" else tenant_backlog, options)
+                        trials[variant].append(trial)
+                        options.log(
+                            f"[utilisation] {store}, {strategy}: {variant} repeat {repeat + 1}/{repeats}: "
+                            f"utilisation {trial['utilisation']:.2f}, {trial['deferrals_per_task']:.1f} deferrals/task"
+                        )
+                        if not trial["completed"]:
+                            # Put-back copies still held by the workers would run in the next trial.
+                            fleet.stop()
+                            fleet.start(WORKERS, CONCURRENCY)
+                report_strategy(report, store, strategy, trials, {"global": backlog, "per-key": tenant_backlog})
+            except Exception as exc:  # the next strategy still runs
+                report.note(f"utilisation on {store}, {strategy} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                options.log(f"[utilisation] {store}, {strategy}: FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+            finally:
+                fleet.close()
+                drop_slots(caps_url, prefix)
+
+
+def run_trial(fleet: BenchFleet, variant: str, backlog: int, options: Options) -> dict[str, Any]:
+    fleet.reset_records()
+    queue = fleet.new_queue()
+    if variant == "global":
+        calls = [("g", TASK_MS)] * backlog
+        task = "bench.global"
+        ideal_seconds = math.ceil(backlog / GLOBAL_LIMIT) * TASK_MS / 1000
+    else:
+        counts = tenant_counts(backlog)
+        calls = [(tenant, TASK_MS) for tenant, count in counts.items() for _ in range(count)]
+        random.Random(7).shuffle(calls)
+        task = "bench.tenant"
+        ideal_seconds = max(counts.values()) * TASK_MS / 1000
+    # The fleet is running and consuming when the whole backlog is sent at once (with
+    # apply_async): what a burst of work does to a fleet.
+    publishes_before = fleet.worker_publishes()
+    fleet.consume(queue)
+    # kombu's Redis transport listens to a queue added by add_consumer from its next BRPOP,
+    # up to its 1 s timeout later: let every worker be listening when the burst comes.
+    time.sleep(1.2)
+    fleet.fill(queue, task, calls)
+    published = fleet.last_fill_published
+    deadline = ideal_seconds * 10 + 30
+    completed = True
+    try:
+        wait_for(lambda: fleet.redis.llen(fleet.keys["runs"]) >= len(calls), deadline, f"{variant} backlog", 0.05)
+    except TimeoutError:
+        completed = False
+    fleet.stop_consuming(queue)
+    time.sleep(0.2)  # a put-back published just now is still counted
+    runs = fleet.runs()
+    put_backs = fleet.worker_publishes() - publishes_before
+    result = analyse(variant, runs, published, put_backs)
+    result["completed"] = completed
+    result["ideal_seconds"] = ideal_seconds
+    return result
+
+
+def _peak(runs: list[dict[str, Any]], key: str | None = None) -> int:
+    events = []
+    for run in runs:
+        events.append((run["start"], 1))
+        events.append((run["end"], -1))
+    events.sort(key=lambda event: (event[0], event[1]))
+    level = peak = 0
+    for _, change in events:
+        level += change
+        peak = max(peak, level)
+    return peak
+
+
+def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs: int) -> dict[str, Any]:
+    done = len(runs)
+    duration = TASK_MS / 1000
+    if not runs:
+        return {"utilisation": math.nan, "deferrals_per_task": math.nan, "completed_tasks": 0}
+    first_start = min(run["start"] for run in runs)
+    last_end = max(run["end"] for run in runs)
+    makespan = last_end - first_start
+    waits = [run["start"] - run["published"] for run in runs]
+    result: dict[str, Any] = {
+        "completed_tasks": done,
+        "published": published,
+        "put_backs": put_backs,
+        "deferrals_per_task": put_backs / done,
+        "deferrals_from_headers": sum(run["deferrals"] for run in runs) / done,
+        "broker_messages_per_task": (published + put_backs) / done,
+        "makespan_seconds": makespan,
+        "wait_p50": percentile(waits, 0.5),
+        "wait_p99": percentile(waits, 0.99),
+    }
+    by_publish = sorted(runs, key=lambda run: run["published"])
+    if variant == "global":
+        result["throughput"] = done / makespan
+        result["utilisation"] = result["throughput"] / (GLOBAL_LIMIT / duration)
+        ideal_waits = [
+            first_start + (index // GLOBAL_LIMIT) * duration - run["published"] for index, run in enumerate(by_publish)
+        ]
+        result["peak"] = _peak(runs)
+    else:
+        per_tenant: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for run in by_publish:
+            per_tenant[run["tenant"]].append(run)
+        ideal_waits, shares, tenant_waits = [], {}, {}
+        busy = elapsed = 0.0
+        for tenant, tenant_runs in per_tenant.items():
+            tenant_busy = len(tenant_runs) * duration
+            tenant_elapsed = max(run["end"] for run in tenant_runs) - first_start
+            busy += tenant_busy
+            elapsed += tenant_elapsed
+            shares[tenant] = tenant_busy / tenant_elapsed
+            waits_here = [run["start"] - run["published"] for run in tenant_runs]
+            ideal_here = [first_start + index * duration - run["published"] for index, run in enumerate(tenant_runs)]
+            ideal_waits.extend(ideal_here)
+            tenant_waits[tenant] = {
+                "tasks": len(tenant_runs),
+                "utilisation": shares[tenant],
+                "wait_p50": percentile(waits_here, 0.5),
+                "ideal_wait_p50": percentile(ideal_here, 0.5),
+                "peak": _peak(tenant_runs),
+            }
+        values = list(shares.values())
+        result["utilisation"] = busy / elapsed
+        result["makespan_ratio"] = max(len(r) for r in per_tenant.values()) * duration / makespan
+        result["tenant_utilisation_min"] = min(values)
+        result["tenant_utilisation_max"] = max(values)
+        result["jain_index"] = sum(values) ** 2 / (len(values) * sum(value**2 for value in values))
+        # How much longer than in the ideal schedule each tenant's median task waited, in
+        # seconds (a ratio would explode for a quiet tenant whose ideal wait is ~0).
+        extra = [t["wait_p50"] - t["ideal_wait_p50"] for t in tenant_waits.values()]
+        result["wait_extra_min"] = min(extra) if extra else math.nan
+        result["wait_extra_max"] = max(extra) if extra else math.nan
+        result["tenants"] = tenant_waits
+        result["peak"] = max(t["peak"] for t in tenant_waits.values())
+    result["ideal_wait_p50"] = percentile(ideal_waits, 0.5)
+    result["ideal_wait_p99"] = percentile(ideal_waits, 0.99)
+    return result
+
+
+def report_strategy(
+    report: Report, store: str, strategy: str, trials: dict[str, list[dict[str, Any]]], backlogs: dict[str, int]
+) -> None:
+    def values(variant: str, name: str) -> list[float]:
+        return [trial.get(name, math.nan) for trial in trials[variant]]
+
+    def add(variant: str, label: str, name: str, unit: str, **kwargs: Any) -> None:
+        series = values(variant, name)
+        report.add(
+            Figure(PART, f"{store}, {strategy}, {variant}: {label}", median(series), unit, repeats=series, **kwargs)
+        )
+
+    for variant in ("global", "per-key"):
+        trial_list = trials[variant]
+        incomplete = sum(not trial["completed"] for trial in trial_list)
+        detail = {"trials": trial_list, "incomplete_trials": incomplete, "backlog": backlogs[variant]}
+        utilisation = median(values(variant, "utilisation"))
+        if variant == "global":
+            throughput = median(values(variant, "throughput"))
+            ideal = GLOBAL_LIMIT / (TASK_MS / 1000)
+            versus = f"{throughput:.1f}/s vs ideal {ideal:.0f}/s (limit {GLOBAL_LIMIT} / {TASK_MS} ms)"
+        else:
+            versus = "ideal: each tenant's slot busy until its backlog is done"
+        if incomplete:
+            versus += f"; {incomplete} trial(s) timed out"
+        add(
+            variant,
+            "slot utilisation",
+            "utilisation",
+            "ratio",
+            versus=versus,
+            ratio=utilisation,
+            target=f">= {UTILISATION_TARGET}",
+            met=at_least(utilisation, UTILISATION_TARGET),
+            detail=detail,
+        )
+        from_headers = median(values(variant, "deferrals_from_headers"))
+        add(
+            variant,
+            "re-publishes/completed task",
+            "deferrals_per_task",
+            "x",
+            versus=f"put-back or wake-up copies, ideal 0; caps_deferrals headers say {from_headers:.2f}",
+        )
+        messages = median(values(variant, "broker_messages_per_task"))
+        sent = median(values(variant, "published"))
+        add(
+            variant,
+            "broker msgs/completed task",
+            "broker_messages_per_task",
+            "x",
+            versus=f"ideal 1.0; {sent:.0f} of {backlogs[variant]} sent to the broker, the rest parked when sent",
+            target=f"<= {MESSAGES_TARGET}" if strategy == "park" else "",
+            met=at_most(messages, MESSAGES_TARGET) if strategy == "park" else None,
+        )
+        add(
+            variant,
+            "wait p50",
+            "wait_p50",
+            "s",
+            versus=f"publish to start; ideal schedule {median(values(variant, 'ideal_wait_p50')):.2f} s",
+            ratio=median(
+                [a / b for a, b in zip(values(variant, "wait_p50"), values(variant, "ideal_wait_p50"), strict=True)]
+            ),
+        )
+        add(
+            variant,
+            "wait p99",
+            "wait_p99",
+            "s",
+            versus=f"publish to start; ideal schedule {median(values(variant, 'ideal_wait_p99')):.2f} s",
+            ratio=median(
+                [a / b for a, b in zip(values(variant, "wait_p99"), values(variant, "ideal_wait_p99"), strict=True)]
+            ),
+        )
+        peaks = values(variant, "peak")
+        limit = GLOBAL_LIMIT if variant == "global" else 1
+        add(
+            variant,
+            "peak runs per slot",
+            "peak",
+            "count",
+            versus=f"limit {limit}",
+            target=f"<= {limit}",
+            met=max(peaks) <= limit if peaks else None,
+        )
+        if variant == "per-key":
+            add(variant, "makespan vs ideal", "makespan_ratio", "ratio",
+                versus="ideal makespan / achieved (busiest tenant back to back)")  # fmt: skip
+            add(
+                variant,
+                "fairness (Jain index)",
+                "jain_index",
+                "ratio",
+                versus=f"1.0 = even; tenant utilisation min {median(values(variant, 'tenant_utilisation_min')):.2f}"
+                f" / max {median(values(variant, 'tenant_utilisation_max')):.2f}",
+            )
+            add(
+                variant,
+                "tenant p50 wait over ideal, max",
+                "wait_extra_max",
+                "s",
+                versus=f"min {median(values(variant, 'wait_extra_min')):.2f} s (0 = as ideal; the spread: unfairness)",
+            )

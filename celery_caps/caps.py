@@ -1,0 +1,145 @@
+"""The cap specification: a name, a limit and an optional key function.
+
+A :class:`Cap` turns a task's arguments into a *slot name*: ``name`` for a global
+cap, ``name + ":" + key`` for a keyed one, where each key gets its own ``limit``.
+This module validates caps and keys and knows nothing of stores or Celery.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CapKeyError, ConfigurationError
+
+#: Longest cap name, in characters.
+MAX_NAME_LENGTH = 100
+#: Longest key a key function may return, in characters.
+MAX_KEY_LENGTH = 150
+#: Longest slot name (``name:key``); stores size their columns for it.
+MAX_SLOT_LENGTH = MAX_NAME_LENGTH + 1 + MAX_KEY_LENGTH
+
+# Control characters (NUL above all) and lone surrogates cannot be stored
+# faithfully by every store and make operator output unreadable.
+_FORBIDDEN_CHARACTERS = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+
+KeyFunction = Callable[..., str]
+
+
+#: Longest part of a key function's own exception text that a CapKeyError quotes.
+_MAX_QUOTED_ERROR_LENGTH = 200
+
+
+def _shorten(text: str, limit: int) -> str:
+    """``text``, cut after ``limit`` characters with its full length said."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _describe(value: object, limit: int = 60) -> str:
+    """A short, safe ``repr`` of a user value for error messages."""
+    return _shorten(repr(value), limit)
+
+
+@dataclass(frozen=True)
+class Cap:
+    """At most ``limit`` tasks at once, fleet-wide, per slot name.
+
+    Args:
+        name: The cap's name, shared by every task that uses the same cap.
+            Non-empty, at most 100 characters, no ``:`` and no control characters.
+        limit: How many distinct task ids may hold the slot at once; a positive int.
+        key: Optional function called with the task's own positional and keyword
+            arguments; it returns a string, and each distinct string gets its own
+            ``limit``.  Keys must come from a bounded set (tenants, regions).
+    """
+
+    name: str
+    limit: int
+    key: KeyFunction | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigurationError(f"Cap name must be a non-empty string, got {_describe(self.name)}")
+        if len(self.name) > MAX_NAME_LENGTH:
+            raise ConfigurationError(f"Cap name {_describe(self.name)} is longer than {MAX_NAME_LENGTH} characters")
+        if ":" in self.name or _FORBIDDEN_CHARACTERS.search(self.name):
+            raise ConfigurationError(
+                f"Cap name {_describe(self.name)} must not contain ':' or control characters "
+                "(':' separates the name from the key in slot names)"
+            )
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
+            raise ConfigurationError(
+                f"Cap {self.name!r}: limit must be a positive integer, got {_describe(self.limit)}"
+            )
+        if self.key is not None and not callable(self.key):
+            raise ConfigurationError(f"Cap {self.name!r}: key must be a callable or None, got {_describe(self.key)}")
+
+    def slot_name(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """The slot this cap takes for a task called with ``args`` and ``kwargs``.
+
+        Raises:
+            CapKeyError: the key function raised or returned an unusable key.
+        """
+        if self.key is None:
+            return self.name
+        try:
+            key = self.key(*args, **kwargs)
+        except Exception as exc:
+            # The key function's own message may be anything, 10 MB included: the error is
+            # stored in the result backend and logged, so quote only its beginning.
+            raise CapKeyError(
+                f"Cap {self.name!r}: key function {_function_name(self.key)} raised {type(exc).__name__}: "
+                f"{_shorten(str(exc), _MAX_QUOTED_ERROR_LENGTH)}"
+            ) from exc
+        return f"{self.name}:{validate_key(self.name, key)}"
+
+
+def _function_name(function: Callable[..., Any]) -> str:
+    return getattr(function, "__qualname__", None) or repr(function)
+
+
+def validate_key(cap_name: str, key: object) -> str:
+    """Return ``key`` if it is a usable key for cap ``cap_name``; raise :class:`CapKeyError`."""
+    if not isinstance(key, str):
+        raise CapKeyError(
+            f"Cap {cap_name!r}: key function must return a string, got {type(key).__name__} {_describe(key)}"
+        )
+    if not key:
+        raise CapKeyError(f"Cap {cap_name!r}: key function returned an empty string")
+    if len(key) > MAX_KEY_LENGTH:
+        raise CapKeyError(f"Cap {cap_name!r}: key {_describe(key)} is longer than {MAX_KEY_LENGTH} characters")
+    if _FORBIDDEN_CHARACTERS.search(key):
+        raise CapKeyError(f"Cap {cap_name!r}: key {_describe(key)} contains a control character or a lone surrogate")
+    return key
+
+
+def normalize_caps(value: object, task_name: str) -> tuple[Cap, ...]:
+    """Turn a task's ``cap=`` option (one :class:`Cap`, a list of them, or None) into a tuple.
+
+    Raises:
+        ConfigurationError: the option holds something else, or two caps share a name.
+    """
+    if value is None:
+        return ()
+    caps: Iterable[object] = (value,) if isinstance(value, Cap) else value  # type: ignore[assignment]
+    if isinstance(value, (str, bytes)) or not isinstance(caps, Iterable):
+        raise ConfigurationError(f"task {task_name}: cap= must be a Cap or a list of Caps, got {_describe(value)}")
+    result: list[Cap] = []
+    for cap in caps:
+        if not isinstance(cap, Cap):
+            raise ConfigurationError(f"task {task_name}: cap= must hold only Cap objects, got {_describe(cap)}")
+        if any(existing.name == cap.name for existing in result):
+            raise ConfigurationError(f"task {task_name}: cap {cap.name!r} is given twice")
+        result.append(cap)
+    return tuple(result)
+
+
+def slots_for(caps: Sequence[Cap], args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, int]:
+    """Map each slot name a call needs to its limit.
+
+    Raises:
+        CapKeyError: a key function raised or returned an unusable key.
+    """
+    return {cap.slot_name(args, kwargs): cap.limit for cap in caps}

@@ -1,0 +1,222 @@
+"""The ``caps_*`` settings: names, defaults and validation.
+
+Settings live on the Celery app's ``conf`` like Celery's own, so they also work
+through namespaced configuration (a Django project's ``CELERY_CAPS_URL`` with
+``app.config_from_object("django.conf:settings", namespace="CELERY")``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from .caps import Cap
+
+StoreErrorPolicy = Literal["defer", "run", "fail"]
+STORE_ERROR_POLICIES: tuple[StoreErrorPolicy, ...] = ("defer", "run", "fail")
+LeaseLostPolicy = Literal["continue", "stop"]
+LEASE_LOST_POLICIES: tuple[LeaseLostPolicy, ...] = ("continue", "stop")
+
+#: Every setting with its default; the README's configuration table mirrors this.
+DEFAULTS: dict[str, Any] = {
+    "caps_url": None,
+    "caps_lease_seconds": 30.0,
+    "caps_renew_seconds": None,  # None: a third of caps_lease_seconds
+    "caps_backoff_min_seconds": 0.5,
+    "caps_backoff_max_seconds": 20.0,
+    "caps_max_wait_seconds": None,
+    "caps_on_store_error": "defer",
+    "caps_on_lease_lost": "continue",
+    "caps_sweep_interval_seconds": 60.0,
+    "caps_key_warning_threshold": 1000,
+    "caps_create_schema": True,
+    "caps_history_seconds": None,  # None: no history (explain and timeline see only the present)
+    "caps_history_max_events": 10000,
+    "caps_metrics_port": None,  # None: no metrics endpoint (also: celery worker --caps-metrics-port)
+    "caps_metrics_address": "0.0.0.0",
+    "caps_deferred_state": True,
+    "caps_strategy": "park",  # or "backoff", or {"default": ..., "<cap name>": ...}
+    "caps_dispatch_lease_seconds": None,  # None: caps_lease_seconds
+    "caps_park_max_waiters": 10000,
+    "caps_park_max_payload_bytes": 65536,
+    "caps_park_on_publish": True,  # with park: a task whose slots are full when it is sent waits in the store
+}
+
+
+def _number(conf: Mapping[str, Any], name: str, *, optional: bool = False) -> float | None:
+    value = conf.get(name, DEFAULTS[name])
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        allowed = "a positive number of seconds" + (" or None" if optional else "")
+        raise ConfigurationError(f"{name} must be {allowed}, got {value!r}")
+    return float(value)
+
+
+def _positive_int(conf: Mapping[str, Any], name: str) -> int:
+    value = conf.get(name, DEFAULTS[name])
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(conf: Mapping[str, Any], name: str) -> bool:
+    value = conf.get(name, DEFAULTS[name])
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+BACKOFF = "backoff"
+PARK = "park"
+STRATEGIES = (BACKOFF, PARK)
+
+
+def _strategy(name: str, value: object) -> str:
+    if value not in STRATEGIES:
+        raise ConfigurationError(f"{name} must be one of {', '.join(STRATEGIES)}, got {value!r}")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class ParkingSettings:
+    """The validated parking settings of one app (durations in seconds)."""
+
+    default: str = PARK
+    per_cap: Mapping[str, str] = field(default_factory=dict)
+    dispatch_lease_seconds: float | None = None
+    max_waiters: int = 10000
+    max_payload_bytes: int = 65536
+    on_publish: bool = True
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> ParkingSettings:
+        """Read and check the settings; raise :class:`ConfigurationError` naming a bad one."""
+        value = conf.get("caps_strategy", DEFAULTS["caps_strategy"])
+        per_cap: dict[str, str] = {}
+        if isinstance(value, Mapping):
+            default = _strategy("caps_strategy['default']", value.get("default", PARK))
+            for cap_name, strategy in value.items():
+                if cap_name != "default":
+                    per_cap[str(cap_name)] = _strategy(f"caps_strategy[{cap_name!r}]", strategy)
+        else:
+            default = _strategy("caps_strategy", value)
+        dispatch = conf.get("caps_dispatch_lease_seconds", DEFAULTS["caps_dispatch_lease_seconds"])
+        if dispatch is not None and (
+            isinstance(dispatch, bool) or not isinstance(dispatch, (int, float)) or dispatch <= 0
+        ):
+            raise ConfigurationError(f"caps_dispatch_lease_seconds must be a positive number or None, got {dispatch!r}")
+        return cls(
+            default,
+            per_cap,
+            None if dispatch is None else float(dispatch),
+            _positive_int(conf, "caps_park_max_waiters"),
+            _positive_int(conf, "caps_park_max_payload_bytes"),
+            _flag(conf, "caps_park_on_publish"),
+        )
+
+    def strategy_for(self, caps: Sequence[Cap]) -> str:
+        """``park`` if any of ``caps`` chooses it, else ``backoff``."""
+        return PARK if any(self.per_cap.get(cap.name, self.default) == PARK for cap in caps) else BACKOFF
+
+    @property
+    def uses_park(self) -> bool:
+        """Whether any cap of the app may park (then releases wake waiters)."""
+        return self.default == PARK or PARK in self.per_cap.values()
+
+
+@dataclass(frozen=True)
+class CapsSettings:
+    """The validated ``caps_*`` settings of one Celery app (all durations in seconds)."""
+
+    url: Any
+    lease_seconds: float
+    renew_seconds: float
+    backoff_min_seconds: float
+    backoff_max_seconds: float
+    max_wait_seconds: float | None
+    on_store_error: StoreErrorPolicy
+    sweep_interval_seconds: float | None
+    key_warning_threshold: int
+    create_schema: bool
+    history_seconds: float | None = None
+    history_max_events: int = 10000
+    metrics_port: int | None = None
+    metrics_address: str = "0.0.0.0"
+    deferred_state: bool = True
+    on_lease_lost: LeaseLostPolicy = "continue"
+    parking: ParkingSettings = field(default_factory=ParkingSettings)
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, Any]) -> CapsSettings:
+        """Read and check the settings; raise :class:`ConfigurationError` naming a bad one."""
+        lease = cast(float, _number(conf, "caps_lease_seconds"))
+        renew = _number(conf, "caps_renew_seconds", optional=True) or lease / 3
+        if renew >= lease:
+            raise ConfigurationError(
+                f"caps_renew_seconds ({renew}) must be shorter than caps_lease_seconds ({lease}), "
+                "or leases expire while their tasks run"
+            )
+        backoff_min = cast(float, _number(conf, "caps_backoff_min_seconds"))
+        backoff_max = cast(float, _number(conf, "caps_backoff_max_seconds"))
+        if backoff_max < backoff_min:
+            raise ConfigurationError(
+                f"caps_backoff_max_seconds ({backoff_max}) is below caps_backoff_min_seconds ({backoff_min})"
+            )
+        policy = conf.get("caps_on_store_error", DEFAULTS["caps_on_store_error"])
+        if policy not in STORE_ERROR_POLICIES:
+            raise ConfigurationError(
+                f"caps_on_store_error must be one of {', '.join(STORE_ERROR_POLICIES)}, got {policy!r}"
+            )
+        lease_lost = conf.get("caps_on_lease_lost", DEFAULTS["caps_on_lease_lost"])
+        if lease_lost not in LEASE_LOST_POLICIES:
+            raise ConfigurationError(
+                f"caps_on_lease_lost must be one of {', '.join(LEASE_LOST_POLICIES)}, got {lease_lost!r}"
+            )
+        sweep_interval = conf.get("caps_sweep_interval_seconds", DEFAULTS["caps_sweep_interval_seconds"])
+        sweep_interval = None if sweep_interval in (None, 0) else _number(conf, "caps_sweep_interval_seconds")
+        threshold = _positive_int(conf, "caps_key_warning_threshold")
+        create_schema = _flag(conf, "caps_create_schema")
+        history_seconds = conf.get("caps_history_seconds", DEFAULTS["caps_history_seconds"])
+        history_seconds = None if history_seconds in (None, 0) else _number(conf, "caps_history_seconds")
+        history_max_events = _positive_int(conf, "caps_history_max_events")
+        metrics_port = conf.get("caps_metrics_port", DEFAULTS["caps_metrics_port"])
+        if metrics_port is not None and (
+            isinstance(metrics_port, bool) or not isinstance(metrics_port, int) or not 0 < metrics_port < 65536
+        ):
+            raise ConfigurationError(f"caps_metrics_port must be a TCP port (1-65535) or None, got {metrics_port!r}")
+        metrics_address = conf.get("caps_metrics_address", DEFAULTS["caps_metrics_address"])
+        if not isinstance(metrics_address, str) or not metrics_address:
+            raise ConfigurationError(f"caps_metrics_address must be a host name or address, got {metrics_address!r}")
+        return cls(
+            url=conf.get("caps_url"),
+            lease_seconds=lease,
+            renew_seconds=renew,
+            backoff_min_seconds=backoff_min,
+            backoff_max_seconds=backoff_max,
+            max_wait_seconds=_number(conf, "caps_max_wait_seconds", optional=True),
+            on_store_error=policy,
+            sweep_interval_seconds=sweep_interval,
+            key_warning_threshold=threshold,
+            create_schema=create_schema,
+            history_seconds=history_seconds,
+            history_max_events=history_max_events,
+            metrics_port=metrics_port,
+            metrics_address=metrics_address,
+            deferred_state=_flag(conf, "caps_deferred_state"),
+            on_lease_lost=lease_lost,
+            parking=ParkingSettings.from_conf(conf),
+        )
+
+    def require_url(self) -> Any:
+        """``caps_url``, or a :class:`ConfigurationError` saying capped tasks cannot run without it."""
+        if self.url is None or self.url == "":
+            raise ConfigurationError(
+                "caps_url is not set: capped tasks cannot run uncapped. Set app.conf.caps_url "
+                "(for example 'sqlite:///caps.db' or 'postgresql+psycopg://user@host/db')"
+            )
+        return self.url

@@ -1,0 +1,665 @@
+"""The Redis slot store: slot leases in Redis, every operation one Lua script.
+
+Each store operation (acquire, a batch of renewals, each kind of release, the
+sweep, the reports, and each step of the waiting list: park, each kind of release
+and wake, forget, claim, wake, marking waiters and settling the marks) is a single
+script run with ``EVALSHA`` (loaded again automatically after a Redis restart), so
+Redis executes it atomically: two admissions competing for the last place of a slot
+are serialised by Redis itself, and a park sees every release before it while every
+release after it sees the waiter.  Lease expiry, dispatch and mark expiry and park
+times are computed inside the scripts from Redis ``TIME``, never from a worker's
+clock.  Expiry times are seconds since the epoch, as
+sorted-set scores.
+
+Key layout
+----------
+``P`` is the key prefix (``key_prefix``, default ``caps``), so that several apps
+can share one Redis database.  ``E`` is the slot name with ``%``, ``{`` and ``}``
+percent-encoded (``%25``, ``%7B``, ``%7D``): the mapping is injective and leaves no
+brace in a slot's hash tag, so a hostile slot name can neither merge with another
+slot's keys nor change which Redis Cluster hash slot its keys land in.
+
+=============================  ======  =============================================
+key                            type    content
+=============================  ======  =============================================
+``P:slot:{E}:runs``            ZSET    run id -> lease expiry, one per lease in the slot
+``P:slot:{E}:tasks``           ZSET    task id -> latest expiry of its leases in the
+                                       slot; admission counts distinct live task ids
+                                       here with one ``ZCOUNT``
+``P:limits``                   HASH    slot name -> last limit: the sentinels, which the
+                                       sweep never deletes, so ``status`` lists every
+                                       slot name ever used
+``P:runs``                     HASH    run id -> MessagePack ``[task id, holder, slot...]``;
+                                       run id + NUL + ``meta`` -> ``[task name, taken at]``
+``P:expiry``                   ZSET    run id -> expiry (every lease of a run shares
+                                       one); the sweep's index
+``P:task:<task id>``           SET     run ids of a task id; releasing a task or a
+                                       holder reads it instead of scanning
+``P:history``                  ZSET    optional history: JSON event -> its time, trimmed
+                                       by age and count on every write
+``P:slot:{E}:waiters``         ZSET    the slot's waiting list (park strategy), one
+                                       entry per parked task, dispatched or not: score
+                                       = first-deferral time, member = park time (Redis
+                                       ``TIME`` as fixed-width text) + a signature of
+                                       the task's slots and limits + task id, so the
+                                       set's own order is the waiting order (first
+                                       deferral, then park time)
+``P:waiting``                  HASH    task id -> MessagePack record of a parked task:
+                                       first deferral, park time, task name, dispatch
+                                       run id or mark and its expiry (empty while
+                                       waiting), the signature, the slot names and
+                                       limits it waits for
+``P:payloads``                 HASH    task id -> its message, opaque bytes (kept apart
+                                       so that walking a list never reads payloads)
+``P:waitlists``                SET     slot names whose waiting list is not empty
+                                       (what the sweep's ``wake`` walks)
+``P:dispatches``               ZSET    dispatched or marked task id -> dispatch or
+                                       mark expiry; ``wake`` finds unclaimed dispatches
+                                       and unsettled marks here
+=============================  ======  =============================================
+
+A dispatched waiter's room is held by an ordinary run (holder ``caps-dispatch``,
+expiry ``caps_dispatch_lease_seconds`` by Redis ``TIME``) under its own task id;
+``claim`` gives that run its holder and a full lease.  ``release_and_wake`` walks
+the waiting lists of the released slots together, oldest first, and stops walking
+a list once its slot is full.  A waiter passed over because another of its slots is
+full marks its signature, so the waiters behind it that need the same slots are
+passed over without reading their records (one ``ZSCORE`` each, for the case where
+a task id already holds that slot).
+
+``expire_waiters`` and ``drain`` take waiters off the list at least once: they *mark*
+them (a dispatch without leases: the mark, a random id, in the record's dispatch run
+id, its expiry by Redis ``TIME`` in ``P:dispatches``), so that nothing dispatches or
+takes them again; ``settle_published`` deletes the published ones (matched by task
+id and mark) and puts the failed ones back to waiting; a mark never settled expires
+and ``wake`` puts the waiter back at its place.  ``forget`` removes a task's waiting
+entries and its dispatch leases and dispatches the freed slots in the same script.
+
+No operation uses ``KEYS`` or ``SCAN``: renewing or releasing a run costs its own
+leases, releasing a task costs its own runs, the sweep costs the expired leases
+(plus ``log n``), admission costs ``O(log n)`` per slot; parking costs
+``O(log n)`` per slot, a release with waiters the waiters it passes over (measured:
+about 2 µs of Redis time each, 21 ms for 10000).  Empty
+sets disappear by themselves; after every lease is released and every waiter has
+run, only ``P:limits`` remains.
+
+Redis Cluster
+-------------
+The per-slot keys of one slot share the hash tag ``{E}``, so the counting, the
+lease rows and the waiting list of a slot always live together: a waiter of one
+slot name sits in that slot name's hash slot.  But every admission also writes the
+run and task indexes (``P:runs``, ``P:expiry``, ``P:task:...``), which releasing by
+run id, task id or holder needs, and which no hash tag can put next to every slot
+at once; a multi-slot admission touches several slots' tags as well.  Parking is
+the same: a park writes the store-wide waiting-list keys (``P:waiting``,
+``P:payloads``, ``P:waitlists``), a multi-slot park (a task with several caps)
+writes the waiting lists of several slots, and a release dispatches waiters whose
+other slots, and their lists, live under other tags.  A script may only touch keys
+of one hash slot on a cluster, so on Redis Cluster every key of the store must be
+co-located: give the prefix a hash tag of its own (for example
+``key_prefix="{caps}"``; Cluster hashes only the first ``{...}`` of a key), which
+puts the whole store on one shard.  That set-up is not tested; standalone Redis
+(optionally behind Sentinel) is what this store is built for.
+
+Redis keeps what it has in memory: a Redis restart without persistence loses every
+lease and every sentinel, and every parked task's message with the waiting list.
+Runs then find their leases gone at the next renewal (reported lost), and
+admission starts afresh; parked tasks are lost (their original messages were
+acknowledged when they parked), so run Redis with persistence (AOF) when you park
+on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import asdict
+from importlib import resources
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.client import NEVER_DECODE
+from redis.commands.core import Script
+from redis.retry import Retry
+
+from ..errors import ConfigurationError, StoreError
+from .base import (
+    PARK_ADMITTED,
+    PARK_LIST_FULL,
+    PARK_PARKED,
+    PARK_ROOM,
+    Admission,
+    HistoryEvent,
+    Lease,
+    SlotStatus,
+    SlotStore,
+    Waiter,
+    Woken,
+    mask_url,
+)
+
+#: Connection settings for clients this store creates, unless the URL sets them.
+#: A store that hangs for long keeps a task from being put back; Redis answers
+#: these scripts in well under a second.
+_CLIENT_DEFAULTS: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+#: Retries for clients this store creates: a connection reset or a failover blip is
+#: retried a few times within a fraction of a second; a real outage is reported as a
+#: StoreError at once, so the task goes back to the broker instead of stalling the
+#: worker.  (Replaying a script whose reply was lost is safe: see ``acquire``.)
+_RETRIES = 3
+_RETRY_BACKOFF_BASE_SECONDS = 0.01
+_RETRY_BACKOFF_CAP_SECONDS = 0.1
+
+#: Helpers of the parking scripts, loaded after redis_common.lua.
+_WAITLIST_LIBRARY = "redis_waitlist.lua"
+_PARK_OUTCOMES = {outcome.encode(): outcome for outcome in (PARK_ADMITTED, PARK_PARKED, PARK_LIST_FULL, PARK_ROOM)}
+
+_PASSWORD_QUERY = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
+
+
+def _encode(text: str) -> bytes:
+    # surrogatepass keeps even a lone surrogate round-trippable (and distinct); the
+    # layers above reject those, but the store should not be the one to corrupt them.
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _text(value: bytes | str) -> str:
+    """A reply string, whether or not the client decodes responses itself."""
+    return value.decode("utf-8", "surrogatepass") if isinstance(value, bytes) else value
+
+
+def _run_id_nonce() -> str:
+    """The first 24 hex digits of the run ids one dispatching script creates (it adds 8 of its own)."""
+    return uuid.uuid4().hex[:24]
+
+
+def _escape_tag(raw: bytes) -> bytes:
+    """Percent-encode ``%``, ``{`` and ``}`` (see the module docstring); ``%`` first."""
+    return raw.replace(b"%", b"%25").replace(b"{", b"%7B").replace(b"}", b"%7D")
+
+
+def _load_script_source(name: str, *libraries: str) -> str:
+    """A script's text: ``redis_common.lua``, then ``libraries``, then the script itself."""
+    package = resources.files(__package__ or "celery_caps.stores")
+    parts = ("redis_common.lua", *libraries, name)
+    return "\n".join(package.joinpath(part).read_text("utf-8") for part in parts)
+
+
+def _scrub(text: str, password: object) -> str:
+    """``text`` with ``password`` masked, should a driver message ever quote it."""
+    if isinstance(password, str) and password:
+        return text.replace(password, "***")
+    return text
+
+
+def _redis_py_url(url: str) -> str:
+    # redis-py knows unix://, and ``redis+unix://`` is the same socket URL.
+    if url.lower().startswith("redis+unix://"):
+        return "unix://" + url[len("redis+unix://") :]
+    return url
+
+
+def _display_url(url: str) -> str:
+    """``url`` safe to show: masked password, also in a ``unix://...?password=`` query."""
+    return _PASSWORD_QUERY.sub(r"\1***", mask_url(url))
+
+
+class RedisStore(SlotStore):
+    """Slots in Redis, each operation one atomic Lua script (see the module docstring).
+
+    Args:
+        target: A URL (``redis://[:password@]host:port/db``, ``rediss://...``,
+            ``unix:///path/to/redis.sock?db=0``, ``redis+unix://...``) or a ready
+            ``redis.Redis`` client.  A client passed in is never closed by
+            :meth:`close`, and may decode responses or not.
+        key_prefix: Prefix of every key this store uses; stores with different
+            prefixes share a Redis database without seeing each other's slots.
+    """
+
+    def __init__(self, target: str | redis.Redis, *, key_prefix: str = "caps") -> None:
+        if not isinstance(key_prefix, str) or not key_prefix:
+            raise ConfigurationError(f"the Redis key prefix must be a non-empty string, got {key_prefix!r}")
+        if isinstance(target, str):
+            self._display_url = _display_url(target)
+            backoff = ExponentialWithJitterBackoff(_RETRY_BACKOFF_CAP_SECONDS, _RETRY_BACKOFF_BASE_SECONDS)
+            try:
+                self._client = redis.Redis.from_url(
+                    _redis_py_url(target), retry=Retry(backoff, _RETRIES), **_CLIENT_DEFAULTS
+                )
+            except (ValueError, TypeError) as exc:
+                try:
+                    password = urlsplit(target).password
+                except ValueError:
+                    password = None
+                raise ConfigurationError(
+                    f"caps_url {self._display_url!r} is not a valid Redis URL: {_scrub(str(exc), password)}"
+                ) from exc
+            self._owns_client = True
+        else:
+            module = type(target).__module__
+            if module.startswith("redis.asyncio") or not hasattr(target, "register_script"):
+                raise ConfigurationError(
+                    f"the Redis store needs a synchronous redis client (redis.Redis), got "
+                    f"{module}.{type(target).__qualname__}"
+                )
+            self._client = target
+            self._owns_client = False
+            self._display_url = self._describe_client(target)
+        self.key_prefix = key_prefix
+        prefix = _encode(key_prefix)
+        self._prefix = prefix
+        self._limits_key = prefix + b":limits"
+        self._runs_key = prefix + b":runs"
+        self._expiry_key = prefix + b":expiry"
+        self._history_key = prefix + b":history"
+        self._index_keys = [self._limits_key, self._runs_key, self._expiry_key]
+        # The waiting list (park strategy): every parking script takes these first.
+        self._waitlist_keys = [
+            *self._index_keys,
+            prefix + b":waiting",
+            prefix + b":payloads",
+            prefix + b":waitlists",
+            prefix + b":dispatches",
+        ]
+        self._acquire = self._script("redis_acquire.lua")
+        self._renew = self._script("redis_renew.lua")
+        self._release = self._script("redis_release.lua")
+        self._sweep = self._script("redis_sweep.lua")
+        self._status = self._script("redis_status.lua")
+        self._leases = self._script("redis_leases.lua")
+        self._prune = self._script("redis_prune.lua")
+        self._record_history = self._script("redis_record_history.lua")
+        self._history = self._script("redis_history.lua")
+        self._park = self._script("redis_park.lua", _WAITLIST_LIBRARY)
+        self._release_and_wake_script = self._script("redis_release_and_wake.lua", _WAITLIST_LIBRARY)
+        self._claim = self._script("redis_claim.lua", _WAITLIST_LIBRARY)
+        self._wake = self._script("redis_wake.lua", _WAITLIST_LIBRARY)
+        self._forget = self._script("redis_forget.lua", _WAITLIST_LIBRARY)
+        self._mark = self._script("redis_mark.lua", _WAITLIST_LIBRARY)
+        self._settle = self._script("redis_settle.lua", _WAITLIST_LIBRARY)
+        self._waiters = self._script("redis_waiters.lua", _WAITLIST_LIBRARY)
+
+    @property
+    def client(self) -> redis.Redis:
+        """The redis-py client the store runs on."""
+        return self._client
+
+    @property
+    def display_url(self) -> str:
+        """Where the store lives, with any password masked."""
+        return self._display_url
+
+    # -- keys ---------------------------------------------------------------------
+
+    def _slot_key_base(self, slot: str) -> bytes:
+        return self._prefix + b":slot:{" + _escape_tag(_encode(slot)) + b"}:"
+
+    def slot_keys(self, slot: str) -> tuple[bytes, bytes]:
+        """The keys of one slot: its lease set and its task set (one hash tag)."""
+        base = self._slot_key_base(slot)
+        return base + b"runs", base + b"tasks"
+
+    def waiters_key(self, slot: str) -> bytes:
+        """The key of one slot's waiting list (the same hash tag as its lease keys)."""
+        return self._slot_key_base(slot) + b"waiters"
+
+    @property
+    def waitlist_index_keys(self) -> tuple[bytes, ...]:
+        """The store-wide keys of the waiting list: records, payloads, waiting slot names, dispatches."""
+        return tuple(self._waitlist_keys[len(self._index_keys) :])
+
+    def task_key(self, task_id: str) -> bytes:
+        """The key of a task id's run set."""
+        return self._prefix + b":task:" + _encode(task_id)
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def _script(self, name: str, *libraries: str) -> Script:
+        return self._client.register_script(_load_script_source(name, *libraries))
+
+    @staticmethod
+    def _describe_client(client: Any) -> str:
+        try:
+            options = client.connection_pool.connection_kwargs
+        except AttributeError:
+            return f"<{type(client).__name__}>"
+        db = options.get("db", 0)
+        if options.get("path"):
+            return f"unix://{options['path']}?db={db}"
+        return f"redis://{options.get('host', '?')}:{options.get('port', '?')}/{db}"
+
+    def _password(self) -> object:
+        try:
+            return self._client.connection_pool.connection_kwargs.get("password")
+        except AttributeError:
+            return None
+
+    def _run(self, operation: str, script: Script, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
+        """Run ``script`` (one ``EVALSHA``); its reply is never decoded: names and payloads
+        come back as the bytes stored, whether or not the client decodes responses."""
+        try:
+            try:
+                return self._evalsha(script, keys, args)
+            except redis.exceptions.NoScriptError:
+                # After a Redis restart or SCRIPT FLUSH: load the script, run it again.
+                script.sha = self._client.script_load(script.script)
+                return self._evalsha(script, keys, args)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            # OSError: redis-py wraps socket errors as a rule, but not on every path.
+            message = f"{operation} failed on {self._display_url}: {type(exc).__name__}: {exc}"
+            raise StoreError(_scrub(message, self._password())) from exc
+
+    def _evalsha(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
+        # NEVER_DECODE: the reply as stored, even from a client that decodes responses.
+        options: dict[str, Any] = {NEVER_DECODE: []}
+        return self._client.execute_command(  # type: ignore[no-untyped-call]
+            "EVALSHA", script.sha, len(keys), *keys, *args, **options
+        )
+
+    @staticmethod
+    def _seconds(value: float, name: str = "lease_seconds") -> str:
+        seconds = float(value)
+        if not math.isfinite(seconds):
+            raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+        return repr(seconds)
+
+    # -- the contract ---------------------------------------------------------------
+
+    def acquire(
+        self,
+        slots: Mapping[str, int],
+        task_id: str,
+        run_id: str,
+        holder: str,
+        lease_seconds: float,
+        task_name: str | None = None,
+    ) -> Admission:
+        if not run_id:
+            raise ValueError("run_id must be non-empty")
+        seconds = self._seconds(lease_seconds)
+        # A run id that already holds leases has them replaced when admitted: the
+        # same run asking again after its leases expired, or redis-py replaying the
+        # script after a lost reply (the run's own task id then passes every slot
+        # it already holds, so the replay is granted, not refused by itself).
+        if not slots:
+            return Admission(True)
+        keys = [*self._index_keys, self.task_key(task_id)]
+        args = self._run_args(task_id, run_id, holder, seconds, task_name)
+        for slot in sorted(slots):
+            keys.extend(self.slot_keys(slot))
+            args.extend((_encode(slot), str(int(slots[slot]))))
+        reply = self._run("acquire", self._acquire, keys, args)
+        if int(reply[0]) == 1:
+            return Admission(True)
+        return Admission(False, tuple(sorted(_text(slot) for slot in reply[1:])))
+
+    def _run_args(
+        self, task_id: str, run_id: str, holder: str, seconds: str, task_name: str | None
+    ) -> list[bytes | str]:
+        """The arguments the admission and park scripts start with: who wants the slots, for how long."""
+        return [self._prefix, _encode(task_id), _encode(run_id), _encode(holder), seconds, _encode(task_name or "")]
+
+    def renew(self, run_ids: Collection[str], lease_seconds: float) -> dict[str, int]:
+        seconds = self._seconds(lease_seconds)
+        # A run named twice is still renewed (and counted) once.
+        unique = list(dict.fromkeys(run_ids))
+        if not unique:
+            return {}
+        args: list[bytes | str] = [self._prefix, seconds, *map(_encode, unique)]
+        reply = self._run("renew", self._renew, self._index_keys, args)
+        return {_text(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+    def _delete(self, args: Sequence[bytes]) -> int:
+        script_args: list[bytes | str] = [self._prefix, *args]
+        return int(self._run("release", self._release, self._index_keys, script_args))
+
+    def release(self, run_id: str) -> int:
+        if not run_id:
+            raise ValueError("run_id must be non-empty")
+        return self._delete([b"run", _encode(run_id)])
+
+    def release_holder(self, task_id: str, holder: str) -> int:
+        return self._delete([b"holder", _encode(task_id), _encode(holder)])
+
+    def release_task(self, task_id: str) -> int:
+        return self._delete([b"task", _encode(task_id)])
+
+    def sweep(self) -> int:
+        return int(self._run("sweep", self._sweep, self._index_keys, [self._prefix]))
+
+    def status(self) -> list[SlotStatus]:
+        reply = self._run("status", self._status, [self._limits_key], [self._prefix])
+        statuses = [
+            SlotStatus(_text(reply[i]), int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]))
+            for i in range(0, len(reply), 4)
+        ]
+        return sorted(statuses, key=lambda status: status.slot)
+
+    def leases(self, slot: str | None = None) -> list[Lease]:
+        args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]
+        reply = self._run("leases", self._leases, self._index_keys, args)
+        leases = []
+        for i in range(0, len(reply), 7):
+            slot_name, task_id, run_id, holder, task_name, age = (
+                _text(value) for value in (*reply[i : i + 4], *reply[i + 5 : i + 7])
+            )
+            leases.append(
+                Lease(
+                    slot_name,
+                    task_id,
+                    run_id,
+                    holder,
+                    float(reply[i + 4]),
+                    task_name or None,
+                    float(age) if age else None,
+                )
+            )
+        return sorted(leases, key=lambda lease: (lease.slot, lease.expires_in))
+
+    def prune(self, prefix: str, *, dry_run: bool = False) -> list[str]:
+        # Finding candidates scans the sentinels (HSCAN, off any hot path); the
+        # script then checks and deletes each one atomically.
+        try:
+            candidates = [
+                name
+                for name in (_text(field) for field, _ in self._client.hscan_iter(self._limits_key, count=1000))
+                if name.startswith(prefix)
+            ]
+        except (redis.exceptions.RedisError, OSError) as exc:
+            message = f"prune failed on {self._display_url}: {type(exc).__name__}: {exc}"
+            raise StoreError(_scrub(message, self._password())) from exc
+        pruned: list[str] = []
+        for start in range(0, len(candidates), 500):
+            batch = candidates[start : start + 500]
+            args: list[bytes | str] = [self._prefix, "1" if dry_run else "0", *map(_encode, batch)]
+            pruned.extend(_text(slot) for slot in self._run("prune", self._prune, self._index_keys, args))
+        return sorted(pruned)
+
+    def record_history(self, events: Sequence[HistoryEvent], keep_seconds: float, max_events: int) -> None:
+        if not events:
+            return
+        args: list[bytes | str] = [self._seconds(keep_seconds), str(int(max_events))]
+        for event in events:
+            document = {**asdict(event), "nonce": uuid.uuid4().hex}
+            args.extend((repr(float(event.at)), json.dumps(document)))
+        self._run("recording history", self._record_history, [self._history_key], args)
+
+    def history(self, since: float, task_id: str | None = None) -> list[HistoryEvent]:
+        reply = self._run("reading history", self._history, [self._history_key], [repr(float(since))])
+        events = []
+        for raw in reply:
+            document = json.loads(_text(raw))
+            document.pop("nonce", None)
+            document["slots"] = tuple(document["slots"])
+            document["full_slots"] = tuple(document["full_slots"])
+            event = HistoryEvent(**document)
+            if task_id is None or event.task_id == task_id:
+                events.append(event)
+        return events
+
+    # -- the waiting list (park strategy; see the module docstring) ----------------
+
+    supports_parking = True
+
+    def park(
+        self,
+        slots: Mapping[str, int],
+        task_id: str,
+        run_id: str,
+        holder: str,
+        lease_seconds: float,
+        *,
+        payload: bytes,
+        first_deferred_at: float,
+        max_waiters: int,
+        task_name: str | None = None,
+        admit: bool = True,
+    ) -> str:
+        if not run_id:
+            raise ValueError("run_id must be non-empty")
+        seconds = self._seconds(lease_seconds)
+        if not slots:
+            return PARK_ADMITTED if admit else PARK_ROOM
+        keys = [*self._waitlist_keys, self.task_key(task_id)]
+        args = [
+            *self._run_args(task_id, run_id, holder, seconds, task_name),
+            bytes(payload),
+            self._seconds(first_deferred_at, "first_deferred_at"),
+            str(int(max_waiters)),
+            "1" if admit else "0",
+        ]
+        for slot in sorted(slots):
+            keys.extend((*self.slot_keys(slot), self.waiters_key(slot)))
+            args.extend((_encode(slot), str(int(slots[slot]))))
+        reply = self._run("park", self._park, keys, args)
+        return _PARK_OUTCOMES[bytes(reply)]
+
+    @staticmethod
+    def _woken(reply: Sequence[Any]) -> list[Woken]:
+        """``{task id, run id, task name, payload, ...}`` as :class:`Woken`."""
+        return [
+            Woken(_text(reply[i]), _text(reply[i + 1]), bytes(reply[i + 3]), _text(reply[i + 2]) or None)
+            for i in range(0, len(reply), 4)
+        ]
+
+    def _release_and_wake(self, dispatch_lease_seconds: float, what: Sequence[bytes]) -> tuple[int, list[Woken]]:
+        args: list[bytes | str] = [
+            self._prefix,
+            self._seconds(dispatch_lease_seconds),
+            _run_id_nonce(),
+            *what,
+        ]
+        # A replay after a lost reply finds the leases gone and wakes nothing: the waiters the
+        # lost reply named stay dispatched until their dispatch expires, then the sweep's
+        # wake dispatches them again (as after a releaser that died before publishing).
+        reply = self._run("release", self._release_and_wake_script, self._waitlist_keys, args)
+        return int(reply[0]), self._woken(reply[1:])
+
+    def release_and_wake(self, run_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
+        if not run_id:
+            raise ValueError("run_id must be non-empty")
+        return self._release_and_wake(dispatch_lease_seconds, [b"run", _encode(run_id)])
+
+    def release_holder_and_wake(
+        self, task_id: str, holder: str, dispatch_lease_seconds: float
+    ) -> tuple[int, list[Woken]]:
+        return self._release_and_wake(dispatch_lease_seconds, [b"holder", _encode(task_id), _encode(holder)])
+
+    def release_task_and_wake(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
+        return self._release_and_wake(dispatch_lease_seconds, [b"task", _encode(task_id)])
+
+    def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
+        args: list[bytes | str] = [
+            self._prefix,
+            _encode(task_id),
+            self._seconds(dispatch_lease_seconds),
+            _run_id_nonce(),
+        ]
+        reply = self._run("forget", self._forget, self._waitlist_keys, args)
+        return int(reply[0]), self._woken(reply[1:])
+
+    def claim(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> int:
+        args: list[bytes | str] = [
+            self._prefix,
+            _encode(task_id),
+            _encode(run_id),
+            _encode(holder),
+            self._seconds(lease_seconds),
+        ]
+        return int(self._run("claim", self._claim, self._waitlist_keys, args))
+
+    def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
+        args: list[bytes | str] = [self._prefix, self._seconds(dispatch_lease_seconds), _run_id_nonce()]
+        if slots is not None:
+            named = sorted(set(slots))
+            if not named:
+                return []
+            args.extend(map(_encode, named))
+        return self._woken(self._run("wake", self._wake, self._waitlist_keys, args))
+
+    def _mark_waiting(self, operation: str, hold_seconds: float, what: Sequence[bytes | str]) -> list[Woken]:
+        mark = uuid.uuid4().hex
+        args: list[bytes | str] = [self._prefix, mark, self._seconds(hold_seconds, "hold_seconds"), *what]
+        reply = self._run(operation, self._mark, self._waitlist_keys, args)
+        entries = [reply[i : i + 5] for i in range(0, len(reply), 5)]
+        # Oldest first, as the waiting lists order them: first deferral, park time, task id.
+        entries.sort(key=lambda entry: (float(entry[2]), bytes(entry[3]), bytes(entry[0])))
+        return [
+            Woken(_text(task_id), mark, bytes(payload), _text(task_name) or None)
+            for task_id, task_name, _first_deferred_at, _parked_at, payload in entries
+        ]
+
+    def expire_waiters(self, first_deferred_before: float, hold_seconds: float) -> list[Woken]:
+        return self._mark_waiting(
+            "expiring waiters",
+            hold_seconds,
+            [b"before", self._seconds(first_deferred_before, "first_deferred_before")],
+        )
+
+    def drain(self, slot: str, hold_seconds: float) -> list[Woken]:
+        return self._mark_waiting("draining waiters", hold_seconds, [b"slot", _encode(slot)])
+
+    def settle_published(self, published: Sequence[Woken], failed: Sequence[Woken] = ()) -> int:
+        args: list[bytes | str] = [self._prefix]
+        for outcome, woken in ((b"published", published), (b"failed", failed)):
+            for waiter in woken:
+                args.extend((outcome, _encode(waiter.task_id), _encode(waiter.run_id)))
+        if len(args) == 1:
+            return 0
+        return int(self._run("settling published waiters", self._settle, self._waitlist_keys, args))
+
+    def waiters(self, slot: str | None = None) -> list[Waiter]:
+        args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]
+        reply = self._run("waiters", self._waiters, self._waitlist_keys, args)
+        by_slot: dict[str, list[Waiter]] = {}
+        for i in range(0, len(reply), 6):
+            name = _text(reply[i])
+            of_slot = by_slot.setdefault(name, [])
+            of_slot.append(
+                Waiter(
+                    name,
+                    _text(reply[i + 1]),
+                    _text(reply[i + 2]) or None,
+                    float(reply[i + 3]),
+                    float(reply[i + 4]),
+                    len(of_slot) + 1,
+                    reply[i + 5] == b"1",
+                )
+            )
+        return [waiter for name in sorted(by_slot) for waiter in by_slot[name]]
+
+    def after_fork(self) -> None:
+        # A child must not talk over its parent's sockets.  redis-py's pool notices
+        # the new pid by itself; resetting it here makes that explicit for a client
+        # we own (one handed to us is its owner's business).
+        if self._owns_client:
+            self._client.connection_pool.reset()
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()

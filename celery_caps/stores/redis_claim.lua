@@ -1,0 +1,27 @@
+-- celery-caps claim: a dispatched task arrived.  Its live dispatch leases become a
+-- run lease (its holder, a full lease), and it leaves the waiting list.
+--
+-- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
+-- ARGV: prefix, task id, run id (of the dispatch), holder, lease seconds
+-- Returns how many leases were claimed (0: the dispatch expired; admit as usual).
+
+local runs_key, expiry_key = KEYS[2], KEYS[3]
+local keys = waitlist_keys()
+local prefix, task_id, run_id, holder, lease_seconds = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local now = now_seconds()
+
+local claimed = 0
+local run = read_run(runs_key, run_id)
+local expiry = redis.call('ZSCORE', expiry_key, run_id)
+-- An expired dispatch is never revived: its room may belong to another task now.
+if run ~= nil and run[1] == task_id and expiry and tonumber(expiry) > now then
+  run[2] = holder
+  redis.call('HSET', runs_key, run_id, cmsgpack.pack(run))
+  extend_run(prefix, expiry_key, run_id, run, now + lease_seconds)
+  claimed = #run - 2
+end
+local record = read_waiter(keys.waiting, task_id)
+if record ~= nil then
+  remove_waiter(prefix, keys, task_id, record)
+end
+return claimed

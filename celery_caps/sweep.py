@@ -1,0 +1,86 @@
+"""The sweep: a Celery task, ``celery_caps.sweep``, on the beat schedule by default.
+
+It deletes expired leases (a crashed worker's slots) and keeps every sentinel.
+Running it from several beats at once is safe: each run deletes only rows that
+are already expired, and deleting a row twice is a no-op.  It also warns when a
+cap's number of keys passes ``caps_key_warning_threshold``: keys must come from
+a bounded set, and each one keeps a permanent sentinel row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from .stores.base import SlotStore
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+logger = logging.getLogger(__name__)
+
+SWEEP_TASK_NAME = "celery_caps.sweep"
+SWEEP_SCHEDULE_NAME = "celery-caps sweep"
+_INSTALLED_ATTRIBUTE = "_celery_caps_installed"
+
+
+def keys_per_cap(store: SlotStore) -> dict[str, int]:
+    """How many distinct keys each keyed cap has (slot names ``name:key``)."""
+    counts: Counter[str] = Counter()
+    for status in store.status():
+        name, separator, _key = status.slot.partition(":")
+        if separator:
+            counts[name] += 1
+    return dict(counts)
+
+
+def sweep_store(store: SlotStore, key_warning_threshold: int) -> int:
+    """Delete expired leases; warn about caps with too many keys.  Returns leases deleted."""
+    deleted = store.sweep()
+    if deleted:
+        logger.info("celery-caps sweep: deleted %d expired lease(s)", deleted)
+    for cap_name, keys in sorted(keys_per_cap(store).items()):
+        if keys > key_warning_threshold:
+            logger.warning(
+                "cap %r has %d distinct keys (caps_key_warning_threshold=%d): keys must come from a "
+                "bounded set; each key keeps a row. Prune retired keys with `celery caps prune-keys`.",
+                cap_name,
+                keys,
+                key_warning_threshold,
+            )
+    return deleted
+
+
+def install(app: Celery) -> None:
+    """Register the sweep task on ``app`` and, once configured, its beat entry.  Idempotent."""
+    if getattr(app, _INSTALLED_ATTRIBUTE, False):
+        return
+    setattr(app, _INSTALLED_ATTRIBUTE, True)
+
+    from .worker import CapsWakeQueues, CapsWorkerStep, runtime_for
+
+    app.steps["worker"].add(CapsWorkerStep)
+    app.steps["consumer"].add(CapsWakeQueues)
+
+    @app.task(name=SWEEP_TASK_NAME, shared=False, ignore_result=True)  # type: ignore[untyped-decorator]
+    def sweep() -> int:
+        """Delete expired slot leases (keeps sentinels); returns how many were deleted."""
+        from .parking import sweep_waiters
+
+        runtime = runtime_for(app)
+        deleted = sweep_store(runtime.store, runtime.settings.key_warning_threshold)
+        sweep_waiters(runtime)  # after the expired leases are gone: wake what fits now
+        return deleted
+
+    def add_beat_entry(sender: Any = None, **_: Any) -> None:
+        from .settings import CapsSettings
+
+        interval = CapsSettings.from_conf(app.conf).sweep_interval_seconds
+        if interval is not None and SWEEP_SCHEDULE_NAME not in (app.conf.beat_schedule or {}):
+            app.add_periodic_task(interval, sweep.s(), name=SWEEP_SCHEDULE_NAME)
+
+    if app.configured:
+        add_beat_entry()
+    else:
+        app.on_after_configure.connect(add_beat_entry, weak=False)

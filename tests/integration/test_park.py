@@ -1,0 +1,446 @@
+"""Fleet tests of the park strategy: three real prefork workers, caps full most of the time.
+
+What a user checks: measured concurrency never passes a cap, every task runs
+exactly once, each parked task costs exactly one more broker message (its wake),
+and nothing is left behind: no lease, no waiter, only sentinels.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from celery.signals import before_task_publish
+
+from celery_caps.parking import WAKE_QUEUE_SUFFIX, sweep_waiters
+from celery_caps.stores.base import SlotStore, store_from_url
+from celery_caps.worker import runtime_for
+from tests.integration.conftest import FleetFactory
+from tests.integration.fleet import Fleet, TcpProxy, mixed_workload, send_workload, wait_for
+from tests.integration.fleetapp import make_app, queue_name
+from tests.services import require_service
+
+pytestmark = pytest.mark.fleet
+
+PROVIDER_LIMIT = 4
+TENANT_LIMIT = 2
+TASKS = 160
+WORKERS = 3
+CONCURRENCY = 4
+
+
+@pytest.mark.parametrize(
+    "store",
+    [
+        pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.redis], id="postgres-redis"),
+        pytest.param("mysql", marks=[pytest.mark.mysql, pytest.mark.redis], id="mysql-redis"),
+        pytest.param("sqlite", marks=[pytest.mark.sqlite, pytest.mark.redis], id="sqlite-redis"),
+        pytest.param("redis", marks=[pytest.mark.redis], id="redis-redis"),
+    ],
+)
+def test_parked_tasks_are_woken_once_each_and_caps_hold(make_fleet: FleetFactory, tmp_path: Path, store: str) -> None:
+    caps_url = f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else require_service(store)
+    fleet = make_fleet(
+        broker=require_service("redis"),
+        caps_url=caps_url,
+        provider_limit=PROVIDER_LIMIT,
+        tenant_limit=TENANT_LIMIT,
+        strategy="park",
+    )
+
+    # Given three prefork workers with caps_strategy = "park" and a mixed, uneven workload
+    fleet.start(WORKERS, concurrency=CONCURRENCY)
+    jobs = mixed_workload(TASKS, seed=20240611)
+    started = time.monotonic()
+
+    # When every task is published at once
+    sent = send_workload(fleet, jobs)
+
+    # Then every task completes, exactly once
+    wait_for(
+        lambda: all(fleet.record().done[task_id] for task_id in sent),
+        120,
+        lambda: f"{sum(1 for t in sent if fleet.record().done[t])} of {len(sent)} tasks completed",
+        interval=0.25,
+    )
+    run_seconds = time.monotonic() - started
+    record = fleet.record()
+    assert {t: (record.starts[t], record.done[t]) for t in sent if (record.starts[t], record.done[t]) != (1, 1)} == {}
+
+    # ... measured concurrency never passed a cap, and the caps really bound
+    tenants = sorted({f"tenant:{job.tenant}" for job in jobs})
+    limits = {"provider": PROVIDER_LIMIT, **{tenant: TENANT_LIMIT for tenant in tenants}}
+    peaks = {counter: record.peaks.get(counter, 0) for counter in limits}
+    interval_peaks = {counter: record.interval_peak(counter, distinct=True) for counter in limits}
+    assert all(peaks[c] <= limits[c] for c in limits), f"a cap was exceeded: {peaks} vs {limits}"
+    assert all(interval_peaks[c] <= limits[c] for c in limits), f"a cap was exceeded: {interval_peaks}"
+    assert peaks["provider"] == PROVIDER_LIMIT
+
+    # ... a parked task came back once: one wake publish per parked task, none for the others
+    deliveries = sum(record.received[task_id] for task_id in sent)
+    wakes = deliveries - len(sent)
+    publishes = sum(int(v) for v in fleet.recorder.client.hgetall(fleet.recorder.key("publishes")).values())
+    parked = sum(1 for run in record.runs if run.deferrals)
+    assert all(run.deferrals <= 1 for run in record.runs), "a task was parked twice"
+    assert wakes == parked == publishes > 0
+    print(
+        f"\n[park {store}] {len(sent)} tasks on {WORKERS}x-c{CONCURRENCY}: peaks {peaks}; parked {parked}; "
+        f"broker messages per completed task {(len(sent) + publishes) / len(sent):.2f}; run {run_seconds:.1f} s"
+    )
+
+    # ... and nothing is left behind: no lease, no waiter; after a sweep only sentinels
+    wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+    fleet.sweep_to_sentinels()
+
+
+def test_a_woken_task_overtakes_its_queue_backlog_and_keeps_its_queue(make_fleet: FleetFactory) -> None:
+    redis_url = require_service("redis")
+    fleet = make_fleet(broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park")
+    scope = uuid.uuid4().hex[:16]
+    fleet.start(1, concurrency=2)
+
+    # Given a task holding a slot of limit 1 and another task parked behind it
+    holder = fleet.app.send_task("fleet.hold", args=[scope, 1.0]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 15, "the holder never started")
+    woken = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
+    wait_for(lambda: any(w.task_id == woken for w in fleet.store.waiters()), 10, "the second task was never parked")
+    # ... and a backlog of twelve tasks on other slots queued behind it (run one at a time
+    # by the worker's other process)
+    backlog = [fleet.app.send_task("fleet.hold", args=[uuid.uuid4().hex[:16], 0.3]).id for _ in range(12)]
+
+    # When the holder ends and its release wakes the parked task
+    wait_for(lambda: fleet.record().done[woken] == 1, 30, "the woken task never ran")
+    wait_for(lambda: all(fleet.record().done[task_id] for task_id in backlog), 30, "the backlog never ran")
+
+    # Then the woken task came through its queue's wake queue, ahead of the backlog still
+    # queued when the holder released (queue order would put it behind all of it)
+    record = fleet.record()
+    released = record.runs_of(holder)[0].end or 0
+    woken_start = record.runs_of(woken)[0].start
+    backlog_starts = sorted(run.start for task_id in backlog for run in record.runs_of(task_id))
+    queued_at_release = [start for start in backlog_starts if start > released]
+    overtaken_by = [start for start in queued_at_release if start < woken_start]
+    assert len(queued_at_release) >= 3, f"the backlog was nearly done when the holder released: {backlog_starts}"
+    assert len(overtaken_by) <= 1, f"{len(overtaken_by)} of {len(queued_at_release)} queued tasks went first"
+    queue = queue_name(fleet.prefix)
+    delivery = fleet.app.AsyncResult(woken).get(timeout=10)["delivery_info"]
+    assert delivery["routing_key"] == f"{queue}{WAKE_QUEUE_SUFFIX}", delivery
+    wait_for(lambda: all(fleet.record().done[task_id] for task_id in backlog), 30, "the backlog never ran")
+    assert fleet.leases() == []
+
+
+def test_tasks_sent_while_their_cap_is_full_wait_in_the_store_and_cost_one_message(make_fleet: FleetFactory) -> None:
+    redis_url = require_service("redis")
+    fleet = make_fleet(broker=redis_url, caps_url=require_service("postgres"), strategy="park")
+    scope = uuid.uuid4().hex[:16]
+    fleet.start(1, concurrency=2)
+    hold = fleet.app.tasks["fleet.hold"]
+    sent_here: list[str] = []
+
+    def count_publish(headers: Any = None, **_: Any) -> None:
+        sent_here.append(headers["id"])
+
+    # Given a task holding a slot of limit 1
+    holder = hold.apply_async(args=[scope, 1.5]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 15, "the holder never started")
+
+    # When five more tasks for that slot are sent with apply_async
+    before_task_publish.connect(count_publish, weak=False)
+    try:
+        waiting = [hold.apply_async(args=[scope, 0.1]).id for _ in range(5)]
+    finally:
+        before_task_publish.disconnect(count_publish)
+
+    # Then none of them went to the broker: they wait in the store, in the order sent
+    assert sent_here == []
+    parked = [w.task_id for w in fleet.store.waiters(fleet.slot(f"one:{scope}")) if not w.dispatched]
+    assert sorted(parked) == sorted(waiting) and len(parked) == 5
+
+    # ... each is published once, when a release wakes it, and runs exactly once, in order
+    wait_for(lambda: all(fleet.record().done[t] for t in waiting), 30, "the parked tasks did not all run")
+    record = fleet.record()
+    assert [record.starts[t] for t in waiting] == [1] * 5
+    starts = [record.runs_of(t)[0].start for t in waiting]
+    assert starts == sorted(starts), "woken out of the order they were sent in"
+    publishes = sum(int(v) for v in fleet.recorder.client.hgetall(fleet.recorder.key("publishes")).values())
+    assert publishes == 5, f"{publishes} messages published by the workers for 5 parked tasks"
+    assert record.peaks[f"one:{scope}"] == 1
+    wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+
+
+# -- releases done for a dead or cut-short run wake the waiters too ------------------------
+
+
+@pytest.fixture
+def postgres_store() -> Iterator[SlotStore]:
+    """A store on the test PostgreSQL, straight (not through any proxy), for inspection."""
+    store = store_from_url(require_service("postgres"))
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def parked(store: SlotStore, task_id: str) -> bool:
+    return any(waiter.task_id == task_id for waiter in store.waiters())
+
+
+def wait_parked(store: SlotStore, task_id: str) -> None:
+    wait_for(lambda: parked(store, task_id), 20, f"task {task_id} never parked")
+
+
+def wait_done(fleet: Fleet, task_id: str, timeout: float, why: str) -> None:
+    wait_for(lambda: fleet.record().done[task_id] >= 1, timeout, why)
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_releases_by_the_workers_main_process_hand_the_slot_to_the_next_waiter(
+    make_fleet: FleetFactory,
+) -> None:
+    # No sweep runs in this test (caps_sweep_interval_seconds is None in the fleet app) and
+    # the leases are long: a waiter runs only if the release itself wakes it.
+    fleet = make_fleet(broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park", lease=30)
+    store = fleet.store
+    fleet.start(1, concurrency=3)
+    timed_out, revoked = uuid.uuid4().hex[:16], uuid.uuid4().hex[:16]
+
+    # Given two tasks whose pool processes ignore SIGTERM (only a SIGKILL ends them), each holding
+    # its slot (a cap of 1), one with a hard time limit of 4 s, and a waiter parked behind each
+    killed_by_limit = fleet.app.send_task("fleet.hard_limited", args=[timed_out], time_limit=4).id
+    killed_by_revoke = fleet.app.send_task("fleet.hard_limited", args=[revoked], time_limit=60).id
+    for task_id in (killed_by_limit, killed_by_revoke):
+        wait_for(lambda task_id=task_id: fleet.record().starts[task_id] == 1, 20, f"{task_id} never started")
+    waiters = {scope: fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id for scope in (timed_out, revoked)}
+    for task_id in waiters.values():
+        wait_parked(store, task_id)
+
+    # When the time limit kills the first pool process, and the second task is revoked with SIGKILL
+    fleet.app.control.revoke(killed_by_revoke, terminate=True, signal="SIGKILL")
+
+    # Then the worker's main process releases their slots and hands each to its waiter at once
+    started = time.monotonic()
+    for scope, task_id in waiters.items():
+        wait_done(fleet, task_id, 15, f"the waiter of {scope} was not woken by the main process's release")
+    woken_after = time.monotonic() - started
+    record = fleet.record()
+    assert all(record.starts[task_id] == 1 for task_id in waiters.values())
+    assert record.done[killed_by_limit] == record.done[killed_by_revoke] == 0
+    wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
+    assert not any(parked(store, task_id) for task_id in waiters.values())
+    print(f"\n[park, main-process releases] both waiters ran {woken_after:.1f} s after the kills began")
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_a_release_retried_after_a_store_outage_wakes_the_waiter(
+    postgres_proxy: tuple[TcpProxy, str], make_fleet: FleetFactory, postgres_store: SlotStore
+) -> None:
+    proxy, caps_url = postgres_proxy
+    fleet = make_fleet(broker=require_service("redis"), caps_url=caps_url, strategy="park", lease=30)
+    fleet.store  # noqa: B018 - built now, through the proxy: the fleet deletes its rows at the end
+    store = postgres_store  # straight to PostgreSQL: readable during the outage
+    fleet.start(1, concurrency=2)
+    scope = uuid.uuid4().hex[:16]
+
+    # Given a task holding its slot (a cap of 1) for 2 s and a waiter parked behind it
+    holder = fleet.app.send_task("fleet.hold", args=[scope, 2.0]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 20, "the holder never started")
+    waiter = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
+    wait_parked(store, waiter)
+
+    # When the store goes away before the holder ends, so that its release fails
+    proxy.close()
+    wait_done(fleet, holder, 15, "the holder did not finish")
+    time.sleep(1.0)
+    assert store.leases(fleet.slot(f"one:{scope}")), "the release succeeded despite the outage"
+
+    # ... and comes back
+    proxy.open()
+
+    # Then the worker retries the release, which hands the slot to the waiter (no sweep runs)
+    wait_done(fleet, waiter, 15, "the retried release did not wake the waiter")
+    wait_for(lambda: store.leases(fleet.slot(f"one:{scope}")) == [], 10, "leases left")
+    assert not parked(store, waiter)
+
+
+# -- a revoked waiter leaves the waiting list ---------------------------------------------
+
+
+def run_sweep(fleet: Fleet) -> None:
+    """Run the ``celery_caps.sweep`` task on the fleet's worker and wait until it succeeded."""
+    sweep_id = fleet.app.send_task("celery_caps.sweep").id
+    wait_for(lambda: f"celery_caps.sweep[{sweep_id}] succeeded" in fleet.workers[0].log(), 15, "the sweep did not run")
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_a_revoked_waiter_leaves_the_waiting_list_and_its_slot_goes_to_the_next(
+    private_postgres_url: str, make_fleet: FleetFactory
+) -> None:
+    # A schema of its own: the sweep below must see only this test's waiters.
+    fleet = make_fleet(broker=require_service("redis"), caps_url=private_postgres_url, strategy="park", lease=30)
+    store = fleet.store
+    fleet.start(1, concurrency=3)
+    scope = uuid.uuid4().hex[:16]
+
+    # Given a task holding its slot (a cap of 1) for 3 s and two waiters parked behind it
+    holder = fleet.app.send_task("fleet.hold", args=[scope, 3.0]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 20, "the holder never started")
+    first = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
+    wait_parked(store, first)
+    second = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
+    wait_parked(store, second)
+
+    # When the first waiter is revoked (no terminate: it is not running anywhere)
+    replies = fleet.app.control.revoke(first, reply=True, timeout=5)
+    assert replies, "no worker acknowledged the revoke"
+
+    # Then when the holder ends, the revoked waiter's dispatch is discarded by the worker, its
+    # entries and dispatch lease go at once, and the second waiter gets the slot
+    wait_done(fleet, second, 15, "the slot did not go on to the next waiter after the revoked one")
+    discarded = f"Discarding revoked task: fleet.hold[{first}]"
+    assert fleet.record().starts[first] == 0
+    assert fleet.workers[0].log().count(discarded) == 1  # its one dispatch
+    assert not parked(store, first) and not parked(store, second)
+    wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
+
+    # ... and the sweep does not dispatch it again
+    run_sweep(fleet)
+    time.sleep(0.5)
+    assert fleet.workers[0].log().count(discarded) == 1
+    assert not parked(store, first)
+
+
+# -- a waiter past caps_max_wait_seconds is published at least once -----------------------------
+
+
+@pytest.mark.parametrize(
+    "store",
+    [
+        pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.redis], id="postgres-redis"),
+        pytest.param("sqlite", marks=[pytest.mark.sqlite, pytest.mark.redis], id="sqlite-redis"),
+    ],
+)
+def test_a_waiter_past_its_max_wait_is_not_lost_when_its_publish_fails(
+    request: pytest.FixtureRequest, tmp_path: Path, store: str
+) -> None:
+    redis_url = require_service("redis")
+    # The sweep sees every waiter of its store: a private SQLite file, or a PostgreSQL schema of
+    # this test's own (before make_fleet, so that the fleet is torn down first).
+    caps_url = (
+        f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else str(request.getfixturevalue("private_postgres_url"))
+    )
+    make_fleet: FleetFactory = request.getfixturevalue("make_fleet")
+    fleet = make_fleet(broker=redis_url, backend=redis_url, caps_url=caps_url, strategy="park", lease=30, max_wait=1)
+    fleet.start(1, concurrency=2)
+    scope = uuid.uuid4().hex[:16]
+    slot = fleet.slot(f"one:{scope}")
+
+    # Given a slot held elsewhere, and a task parked for it longer than caps_max_wait_seconds (1 s)
+    assert fleet.store.acquire({slot: 1}, f"{fleet.prefix}elsewhere", uuid.uuid4().hex, "elsewhere/1", 120).granted
+    waiter = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
+    wait_parked(fleet.store, waiter)
+    wait_for(lambda: time.time() - fleet.store.waiters(slot)[0].first_deferred_at > 1.1, 5, "max wait not reached")
+
+    # ... and a sweep run where the broker cannot be reached (its port refuses connections)
+    redis = urlsplit(redis_url)
+    proxy = TcpProxy((redis.hostname or "127.0.0.1", redis.port or 6379))
+    sweeper = make_app({**fleet.env, "CAPS_FLEET_BROKER": f"redis://127.0.0.1:{proxy.port}{redis.path}"}, current=False)
+    runtime = runtime_for(sweeper)
+    try:
+        # When the sweep gives up on the waiter but cannot publish it
+        assert sweep_waiters(runtime) == 0
+
+        # Then the task stays in the waiting list, waiting at its place
+        assert [(w.task_id, w.dispatched) for w in fleet.store.waiters(slot)] == [(waiter, False)]
+
+        # When the broker is back, the next sweep publishes it and only then takes it off the list
+        proxy.open()
+        assert sweep_waiters(runtime) == 1
+        assert fleet.store.waiters(slot) == []
+
+        # ... and a worker receives it and gives up on it with the named error (its slot is still held)
+        result = fleet.app.AsyncResult(waiter)
+        result.get(timeout=20, propagate=False)
+        assert result.state == "FAILURE" and type(result.result).__name__ == "CapWaitExceeded", result.result
+        assert fleet.record().received[waiter] == 2
+        assert fleet.record().starts[waiter] == 0
+    finally:
+        runtime.close()
+        sweeper.close()
+        proxy.close()
+
+
+@pytest.mark.chaos
+@pytest.mark.amqp
+def test_releasers_killed_mid_dispatch_lose_nothing_and_the_caps_hold(
+    private_postgres_url: str, make_fleet: FleetFactory
+) -> None:
+    fleet = make_fleet(
+        broker=require_service("amqp"),
+        caps_url=private_postgres_url,
+        provider_limit=PROVIDER_LIMIT,
+        tenant_limit=TENANT_LIMIT,
+        strategy="park",
+        lease=3,
+    )
+    deaths = 3
+    # Given a park fleet whose first three releasers that dispatch waiters die right after the
+    # store committed the dispatch, before publishing it (a pool process killed at that moment)
+    fleet.start(WORKERS, concurrency=CONCURRENCY, extra_env={"CAPS_FLEET_DIE_BEFORE_WAKE": str(deaths)})
+    # ... and a sweep every half second, as beat would run it
+    sweeping = threading.Event()
+    sweep = fleet.app.tasks["celery_caps.sweep"]
+
+    def beat() -> None:
+        while not sweeping.wait(0.5):
+            sweep.apply()
+
+    beat_thread = threading.Thread(target=beat, name="test-beat", daemon=True)
+    beat_thread.start()
+    try:
+        # When a mixed workload runs
+        sent = send_workload(fleet, mixed_workload(120, seed=4242))
+
+        # Then every task completes
+        wait_for(
+            lambda: all(fleet.record().done[task_id] for task_id in sent),
+            120,
+            lambda: f"{sum(1 for t in sent if fleet.record().done[t])} of {len(sent)} tasks completed",
+            interval=0.25,
+        )
+    finally:
+        sweeping.set()
+        beat_thread.join(timeout=10)
+    client = fleet.recorder.client
+    stranded = [task_id.decode() for task_id in client.lrange(fleet.recorder.key("died-before-wake"), 0, -1)]
+    releasing = {task_id.decode() for task_id in client.lrange(fleet.recorder.key("died-releasing"), 0, -1)}
+    record = fleet.record()
+    # ... the releasers did die, and the tasks they had dispatched ran once the sweep dispatched them again
+    assert len(releasing) == deaths and stranded, (releasing, stranded)
+    assert all(record.done[task_id] == 1 for task_id in stranded)
+    # ... every other task exactly once; a dying releaser's own task, whose body had ended but whose
+    # message was not yet acknowledged, is delivered again (at least once)
+    twice = {t: record.done[t] for t in sent if record.done[t] != 1}
+    assert set(twice) <= releasing and all(count == 2 for count in twice.values()), (twice, releasing)
+    # ... and the caps held throughout: a releaser dies after its release, nothing over-admits
+    tenants = sorted({counter for counter in record.peaks if counter.startswith("tenant:")})
+    limits = {"provider": PROVIDER_LIMIT, **{tenant: TENANT_LIMIT for tenant in tenants}}
+    interval_peaks = {counter: record.interval_peak(counter, distinct=True) for counter in limits}
+    assert all(interval_peaks[c] <= limits[c] for c in limits), f"a cap was exceeded: {interval_peaks}"
+    print(
+        f"\n[park crash] {len(sent)} tasks, {deaths} releasers killed mid-dispatch stranding {len(stranded)} "
+        f"dispatched task(s); peaks {interval_peaks}"
+    )
+    # ... and nothing is left: no waiter, no lease after the sweep
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+    wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")

@@ -1,0 +1,240 @@
+"""The table of slot stores every store test runs on, and how to reach their services.
+
+Real services come from environment variables set by tox/CI (no defaults):
+
+=========== ========================= ===========================================
+store       variable                  example
+=========== ========================= ===========================================
+postgres    ``CAPS_TEST_POSTGRES_URL`` ``postgresql+psycopg://postgres@127.0.0.1/test``
+mysql       ``CAPS_TEST_MYSQL_URL``    ``mysql+pymysql://root@127.0.0.1/test``
+redis       ``CAPS_TEST_REDIS_URL``    ``redis://127.0.0.1:6379/14``
+(broker)    ``CAPS_TEST_AMQP_URL``     ``amqp://guest:guest@127.0.0.1:5672//``
+=========== ========================= ===========================================
+
+A test whose service is unset or unreachable is skipped, unless
+``CAPS_REQUIRE_SERVICES=1`` (CI), which turns the skip into a failure.
+``memory`` and ``sqlite`` (a fresh file per test) need nothing.
+
+Several test runs may share one server, so a test never wipes shared data: it
+names its slots and task ids under its own random prefix (``new_prefix``), uses
+its own key prefix on Redis, and deletes only its own rows afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import sqlalchemy as sa
+
+from celery_caps.stores.base import SlotStatus, SlotStore, mask_url, store_from_url
+
+#: Set to ``1`` (CI) to fail, rather than skip, a test whose service is missing.
+REQUIRE_SERVICES_VARIABLE = "CAPS_REQUIRE_SERVICES"
+
+#: Service name -> the environment variable holding its URL.
+SERVICE_VARIABLES = {
+    "postgres": "CAPS_TEST_POSTGRES_URL",
+    "mysql": "CAPS_TEST_MYSQL_URL",
+    "redis": "CAPS_TEST_REDIS_URL",
+    "amqp": "CAPS_TEST_AMQP_URL",
+}
+
+_DEFAULT_PORTS = {
+    "postgresql": 5432,
+    "postgres": 5432,
+    "mysql": 3306,
+    "mariadb": 3306,
+    "redis": 6379,
+    "rediss": 6379,
+    "amqp": 5672,
+    "pyamqp": 5672,
+    "amqps": 5671,
+}
+_UNIX_SOCKET_SCHEMES = ("unix", "redis+unix")
+_CONNECT_TIMEOUT_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class StoreKind:
+    """One row of the store table."""
+
+    #: The pytest param id and marker name.
+    id: str
+    #: The service whose URL the store needs; None for stores that need nothing.
+    service: str | None
+    #: Other test runs may use the same store at the same time.
+    shared: bool
+
+
+#: Every store the store tests run on, in the order they run.
+STORE_KINDS = (
+    StoreKind("memory", None, shared=False),
+    StoreKind("sqlite", None, shared=False),
+    StoreKind("postgres", "postgres", shared=True),
+    StoreKind("mysql", "mysql", shared=True),
+    StoreKind("redis", "redis", shared=False),  # private: a key prefix per test
+)
+
+
+def store_params() -> list[Any]:
+    """``STORE_KINDS`` as pytest params, each with its id and its marker."""
+    return [pytest.param(kind, id=kind.id, marks=getattr(pytest.mark, kind.id)) for kind in STORE_KINDS]
+
+
+def _unavailable(reason: str) -> NoReturn:
+    if os.environ.get(REQUIRE_SERVICES_VARIABLE) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_SERVICES_VARIABLE}=1)", pytrace=False)
+    pytest.skip(reason)
+
+
+@functools.cache
+def _unreachable_reason(url: str) -> str | None:
+    """Why a connection to ``url``'s server (TCP or Unix socket) fails; None if it works."""
+    try:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        host, port = parts.hostname, parts.port or _DEFAULT_PORTS.get(scheme.split("+", 1)[0])
+    except ValueError as exc:
+        return f"cannot parse {mask_url(url)!r}: {exc}"
+    try:
+        if scheme in _UNIX_SOCKET_SCHEMES:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                connection.settimeout(_CONNECT_TIMEOUT_SECONDS)
+                connection.connect(unquote(parts.path))
+        elif host and port:
+            socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_SECONDS).close()
+        else:
+            return f"cannot tell host and port from {mask_url(url)!r}"
+    except OSError as exc:
+        return f"cannot connect: {exc}"
+    return None
+
+
+def require_service(name: str) -> str:
+    """The URL of service ``name`` (``postgres``, ``mysql``, ``redis``, ``amqp``).
+
+    Skips the calling test when the variable is unset or the server does not
+    accept a connection, or fails it when ``CAPS_REQUIRE_SERVICES=1``.
+    """
+    variable = SERVICE_VARIABLES[name]
+    url = os.environ.get(variable, "").strip()
+    if not url:
+        _unavailable(f"{name}: {variable} is not set")
+    reason = _unreachable_reason(url)
+    if reason is not None:
+        _unavailable(f"{name} ({variable}={mask_url(url)}): {reason}")
+    return url
+
+
+def store_url_for(kind: StoreKind, tmp_path: Path) -> str:
+    """The URL a test builds a ``kind`` store from (skips if its service is missing)."""
+    if kind.id == "memory":
+        return "memory://"
+    if kind.id == "sqlite":
+        return f"sqlite:///{tmp_path}/caps.db"
+    assert kind.service is not None
+    url = require_service(kind.service)
+    if kind.id == "redis" and importlib.util.find_spec("celery_caps.stores.redis") is None:
+        _unavailable("redis: the Redis store (celery_caps.stores.redis) is not available")
+    return url
+
+
+@contextlib.contextmanager
+def private_sql_url(service: str) -> Iterator[str]:
+    """A store URL on the ``postgres`` or ``mysql`` test server whose tables are this test's
+    alone, dropped afterwards: a PostgreSQL schema of its own (first on the search path) or
+    a MySQL database of its own.
+
+    For tests of store-wide operations (the sweep's wake and expiry of waiters, say), which
+    on the shared database would reach other test runs' rows.
+    """
+    server = sa.engine.make_url(require_service(service))
+    space = f"caps_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(server)
+    try:
+        with engine.begin() as connection:
+            connection.exec_driver_sql(f"CREATE {'SCHEMA' if service == 'postgres' else 'DATABASE'} {space}")
+        if service == "postgres":
+            # The schema alone on the path: the shared tables (and functions) of public are not
+            # seen, so celery-caps creates its own here.
+            url = server.update_query_dict({"options": f"-csearch_path={space}"})
+        else:
+            url = server.set(database=space)
+        try:
+            yield url.render_as_string(hide_password=False)
+        finally:
+            with engine.begin() as connection:
+                drop = f"DROP SCHEMA {space} CASCADE" if service == "postgres" else f"DROP DATABASE {space}"
+                connection.exec_driver_sql(drop)
+    finally:
+        engine.dispose()
+
+
+def new_prefix() -> str:
+    """A fresh prefix for one test's slot names (or Redis keys): unique across runs."""
+    return f"t{uuid.uuid4().hex[:12]}-"
+
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """What a process needs to build its own store: picklable, for spawned processes."""
+
+    kind: StoreKind
+    url: str
+    #: Redis key prefix that keeps one test's keys apart from every other test's.
+    key_prefix: str
+
+    def open(self) -> SlotStore:
+        """A new store on ``url``; the caller closes it."""
+        if self.kind.id == "redis":
+            from celery_caps.stores.redis import RedisStore
+
+            return RedisStore(self.url, key_prefix=self.key_prefix)
+        return store_from_url(self.url)
+
+
+def delete_own_rows(target: StoreTarget, store: SlotStore, prefix: str) -> None:
+    """Remove what one test left behind, and nothing that another test run owns."""
+    if target.kind.id == "redis":
+        import redis
+
+        client = redis.Redis.from_url(target.url)
+        try:
+            keys = list(client.scan_iter(match=f"{target.key_prefix}*", count=1000))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
+    elif target.kind.shared:
+        # Every row of a test (sentinels and leases) carries one of its slot names;
+        # the prefix is letters, digits and '-', nothing LIKE would interpret.
+        from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+
+        assert isinstance(store, SQLAlchemyStore)
+        assert prefix.replace("-", "").isalnum()
+        with store.engine.begin() as connection:
+            connection.execute(
+                sa.text("DELETE FROM concurrency_slots WHERE slot LIKE :pattern"), {"pattern": f"{prefix}%"}
+            )
+            connection.execute(
+                sa.text("DELETE FROM concurrency_waiters WHERE slot LIKE :pattern"), {"pattern": f"{prefix}%"}
+            )
+
+
+def own_status(store: SlotStore, prefix: str) -> dict[str, SlotStatus]:
+    """``store.status()`` of the slots under ``prefix`` only, by slot name."""
+    statuses = [status for status in store.status() if status.slot.startswith(prefix)]
+    by_slot = {status.slot: status for status in statuses}
+    assert len(by_slot) == len(statuses), f"status lists a slot twice: {statuses}"
+    return by_slot

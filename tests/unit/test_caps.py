@@ -1,0 +1,392 @@
+"""Cap specifications, key functions and store URLs: bad input gets an error naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from celery_caps.caps import MAX_KEY_LENGTH, MAX_NAME_LENGTH, Cap, normalize_caps, slots_for
+from celery_caps.errors import CapKeyError, CapsError, ConfigurationError, StoreError
+from celery_caps.stores.base import SlotStore, mask_url, store_from_url
+from celery_caps.stores.memory import MemoryStore
+from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+
+# -- Cap validation -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [0, -1, 2.5, 3.0, "3", None, True, False, [2]], ids=repr)
+def test_a_limit_that_is_not_a_positive_int_is_refused_by_name(limit: object) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        Cap("email-provider", limit)  # type: ignore[arg-type]
+
+    message = str(raised.value)
+    assert "'email-provider'" in message
+    assert f"got {limit!r}" in message
+    assert "positive integer" in message
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", 42, None, b"provider", ["provider"], "a:b", "tab\there", "nul\x00", "newline\n", "del\x7f", "lone\ud800"],
+    ids=repr,
+)
+def test_a_bad_cap_name_is_refused_and_named(name: object) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        Cap(name, 5)  # type: ignore[arg-type]
+
+    assert repr(name) in str(raised.value)
+
+
+def test_an_overlong_cap_name_is_refused_with_a_short_message() -> None:
+    name = "overlong-" + "x" * (MAX_NAME_LENGTH - len("overlong-") + 1)
+
+    with pytest.raises(ConfigurationError) as raised:
+        Cap(name, 5)
+
+    message = str(raised.value)
+    assert "'overlong-xxx" in message
+    assert f"longer than {MAX_NAME_LENGTH} characters" in message
+    assert len(message) < 200
+
+
+@pytest.mark.parametrize("key", ["tenant", 5, object()], ids=["str", "int", "object"])
+def test_a_key_that_is_not_callable_is_refused_and_named(key: object) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        Cap("imports", 2, key=key)  # type: ignore[arg-type]
+
+    assert repr(key) in str(raised.value)
+    assert "callable" in str(raised.value)
+
+
+def test_valid_caps_at_the_edges_are_accepted() -> None:
+    assert Cap("x" * MAX_NAME_LENGTH, 1).limit == 1
+    assert Cap("émail-prövider 🚀", 10_000).name == "émail-prövider 🚀"
+    assert Cap("imports", 2, key=lambda tenant: tenant).key is not None
+
+
+def test_configuration_and_key_errors_share_the_one_root() -> None:
+    assert issubclass(ConfigurationError, CapsError)
+    assert issubclass(CapKeyError, CapsError)
+    assert issubclass(StoreError, CapsError)
+    # Both are bad values, as a caller catching ValueError expects.
+    assert issubclass(ConfigurationError, ValueError)
+    assert issubclass(CapKeyError, ValueError)
+
+
+# -- key functions ---------------------------------------------------------------------
+
+
+def tenant_key(tenant_id: Any, path: str = "") -> Any:
+    return tenant_id
+
+
+def failing_key(*args: Any, **kwargs: Any) -> str:
+    raise LookupError("no tenant in the arguments")
+
+
+def test_a_key_function_that_raises_becomes_a_cap_key_error() -> None:
+    cap = Cap("imports", 2, key=failing_key)
+
+    with pytest.raises(CapKeyError) as raised:
+        cap.slot_name(("acme",), {})
+
+    message = str(raised.value)
+    assert "'imports'" in message
+    assert "failing_key" in message
+    assert "LookupError: no tenant in the arguments" in message
+    assert isinstance(raised.value.__cause__, LookupError)
+
+
+def test_a_key_function_raising_a_10_mb_message_gets_a_short_cap_key_error() -> None:
+    def huge_failure(*args: Any, **kwargs: Any) -> str:
+        raise ValueError("x" * 10_000_000)
+
+    cap = Cap("imports", 2, key=huge_failure)
+
+    with pytest.raises(CapKeyError) as raised:
+        cap.slot_name(("acme",), {})
+
+    message = str(raised.value)
+    assert "'imports'" in message and "huge_failure" in message
+    assert "raised ValueError: xxxxx" in message
+    assert "(10000000 chars)" in message
+    assert len(message) < 400
+    assert len(str(raised.value.__cause__)) == 10_000_000  # the original error stays whole, chained
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        (None, "NoneType None"),
+        (42, "int 42"),
+        (b"acme", "bytes b'acme'"),
+        ("", "empty string"),
+        ("a\x00b", "'a\\x00b'"),
+        ("line\nbreak", "'line\\nbreak'"),
+        ("lone\udc80", "'lone\\udc80'"),
+    ],
+    ids=["None", "int", "bytes", "empty", "NUL", "newline", "surrogate"],
+)
+def test_an_unusable_key_is_refused_and_named(key: object, expected: str) -> None:
+    cap = Cap("imports", 2, key=tenant_key)
+
+    with pytest.raises(CapKeyError) as raised:
+        cap.slot_name((key,), {})
+
+    assert "'imports'" in str(raised.value)
+    assert expected in str(raised.value)
+
+
+def test_a_10_kb_key_is_refused_without_a_10_kb_message() -> None:
+    cap = Cap("imports", 2, key=tenant_key)
+    key = "k" * 10_000
+
+    with pytest.raises(CapKeyError) as raised:
+        cap.slot_name((key,), {})
+
+    message = str(raised.value)
+    assert f"longer than {MAX_KEY_LENGTH} characters" in message
+    assert "'kkkkk" in message
+    assert "10002 chars" in message  # the length of the key's repr
+    assert len(message) < 300
+
+
+def test_keys_up_to_the_longest_allowed_are_accepted() -> None:
+    cap = Cap("imports", 2, key=tenant_key)
+
+    assert cap.slot_name(("k" * MAX_KEY_LENGTH,), {}) == "imports:" + "k" * MAX_KEY_LENGTH
+    with pytest.raises(CapKeyError):
+        cap.slot_name(("k" * (MAX_KEY_LENGTH + 1),), {})
+
+
+# -- slot names -----------------------------------------------------------------------
+
+
+def test_slots_for_maps_each_slot_name_to_its_limit() -> None:
+    caps = [Cap("provider", 25), Cap("tenant", 2, key=lambda t, **_: t)]
+
+    assert slots_for(caps, ("acme",), {"since": 3}) == {"provider": 25, "tenant:acme": 2}
+    assert slots_for(caps, (), {"t": "globex"}) == {"provider": 25, "tenant:globex": 2}
+    assert slots_for([], ("acme",), {}) == {}
+
+
+def test_the_key_function_gets_the_tasks_own_arguments() -> None:
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def key(*args: Any, **kwargs: Any) -> str:
+        calls.append((args, kwargs))
+        return "acme"
+
+    assert Cap("imports", 2, key=key).slot_name(("acme", "/data/file.csv"), {"force": True}) == "imports:acme"
+    assert calls == [(("acme", "/data/file.csv"), {"force": True})]
+
+
+def test_hostile_keys_are_kept_verbatim_in_the_slot_name() -> None:
+    cap = Cap("tenant", 2, key=tenant_key)
+
+    for key in ["O'Brien; DROP TABLE x", "a:b", "{tag}", "100%_", "🚀 שלום", "Tenant ", "back\\slash"]:
+        assert cap.slot_name((key,), {}) == f"tenant:{key}"
+
+
+# -- normalize_caps ---------------------------------------------------------------------
+
+PROVIDER = Cap("provider", 25)
+TENANT = Cap("tenant", 2, key=tenant_key)
+
+
+def test_normalize_caps_accepts_none_one_cap_or_a_collection() -> None:
+    assert normalize_caps(None, "proj.sync") == ()
+    assert normalize_caps(PROVIDER, "proj.sync") == (PROVIDER,)
+    assert normalize_caps([PROVIDER, TENANT], "proj.sync") == (PROVIDER, TENANT)
+    assert normalize_caps((TENANT, PROVIDER), "proj.sync") == (TENANT, PROVIDER)
+    assert normalize_caps([], "proj.sync") == ()
+
+
+def test_normalize_caps_refuses_a_cap_name_given_twice() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        normalize_caps([PROVIDER, TENANT, Cap("provider", 10)], "proj.sync")
+
+    assert "proj.sync" in str(raised.value)
+    assert "'provider'" in str(raised.value)
+    assert "twice" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ("provider", "'provider'"),
+        (b"provider", "b'provider'"),
+        (25, "25"),
+        ([PROVIDER, "tenant"], "'tenant'"),
+        ([PROVIDER, None], "None"),
+        ({"provider": 25}, "'provider'"),
+    ],
+    ids=["str", "bytes", "int", "list-with-str", "list-with-None", "dict"],
+)
+def test_normalize_caps_refuses_junk_and_names_it(value: object, named: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        normalize_caps(value, "proj.sync")
+
+    assert "proj.sync" in str(raised.value)
+    assert named in str(raised.value)
+
+
+# -- store URLs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "scheme"),
+    [
+        ("foo://user:s3cret@host/db", "'foo'"),
+        ("mongodb://admin:s3cret@db.example:27017/caps", "'mongodb'"),
+        ("s3cret-but-no-scheme", "'(none)'"),
+    ],
+    ids=["foo", "mongodb", "no-scheme"],
+)
+def test_an_unknown_store_scheme_is_named_without_the_password(url: str, scheme: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        store_from_url(url)
+
+    message = str(raised.value)
+    assert f"unknown store scheme {scheme}" in message
+    if "@" in url:
+        assert "s3cret" not in message
+        assert ":***@" in message
+
+
+def test_an_unsupported_object_is_named() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        store_from_url(42)
+
+    assert "builtins.int" in str(raised.value)
+
+
+def test_store_from_url_builds_stores_and_passes_ready_ones_through(tmp_path: Any) -> None:
+    memory = store_from_url("memory://")
+    assert isinstance(memory, MemoryStore)
+    assert store_from_url(memory) is memory
+    sqlite = store_from_url(f"sqlite:///{tmp_path}/caps.db")
+    try:
+        assert isinstance(sqlite, SQLAlchemyStore)
+        assert isinstance(sqlite, SlotStore)
+    finally:
+        sqlite.close()
+
+
+def test_a_ready_engine_is_used_and_never_disposed(tmp_path: Any) -> None:
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path}/caps.db")
+    try:
+        store = store_from_url(engine)
+        assert isinstance(store, SQLAlchemyStore)
+        assert store.acquire({"provider": 1}, "task-1", "run-1", "w1/1", 30.0).granted
+        store.close()
+
+        # The engine still works after the store is closed: it belongs to the caller.
+        with engine.connect() as connection:
+            count = connection.execute(sa.text("SELECT COUNT(*) FROM concurrency_slots WHERE run_id = 'run-1'"))
+            assert count.scalar_one() == 1
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("url", "where"),
+    [
+        ("postgresql+psycopg://caps:s3cret@127.0.0.1:1/caps", "127.0.0.1:1"),
+        ("mysql+pymysql://caps:s3cret@127.0.0.1:1/caps", "127.0.0.1:1"),
+        ("sqlite:////nonexistent-caps-dir/caps.db", "/nonexistent-caps-dir/caps.db"),
+    ],
+    ids=["postgres", "mysql", "sqlite"],
+)
+def test_an_unreachable_store_raises_a_store_error_without_the_password(url: str, where: str) -> None:
+    store = store_from_url(url)
+    try:
+        with pytest.raises(StoreError) as raised:
+            store.acquire({"provider": 1}, "task-1", "run-1", "w1/1", 30.0)
+    finally:
+        store.close()
+
+    message = str(raised.value)
+    assert "s3cret" not in message
+    assert where in message
+    assert raised.value.__cause__ is not None  # the driver's error, for the traceback
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("postgresql+psycopg://app:s3cret@db:5432/app", "postgresql+psycopg://app:***@db:5432/app"),
+        ("redis://:s3cret@cache:6379/0", "redis://:***@cache:6379/0"),
+        ("redis://:p@ss@word@cache/0", "redis://:***@cache/0"),
+        ("mysql+pymysql://root@127.0.0.1/test", "mysql+pymysql://root@127.0.0.1/test"),
+        ("sqlite:////var/lib/caps.db", "sqlite:////var/lib/caps.db"),
+        ("memory://", "memory://"),
+        ("http://[::1", "<unparsable URL>"),
+        ("unix:///run/redis.sock?db=2&password=s3cret", "unix:///run/redis.sock?db=2&password=***"),
+        ("rediss://:s3cret@cache/0?pwd=s3cret", "rediss://:***@cache/0?pwd=***"),
+    ],
+    ids=[
+        "password",
+        "password-only",
+        "at-in-password",
+        "no-password",
+        "sqlite",
+        "memory",
+        "unparsable",
+        "query-password",
+        "both",
+    ],
+)
+def test_mask_url_hides_only_the_password(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+
+
+# =====================================================================================
+# Operator settings: history, metrics endpoint, DEFERRED state.
+# =====================================================================================
+
+
+def test_operator_settings_default_to_off_and_read_from_conf() -> None:
+    from celery_caps.settings import CapsSettings
+
+    defaults = CapsSettings.from_conf({})
+    assert (defaults.history_seconds, defaults.history_max_events) == (None, 10000)
+    assert (defaults.metrics_port, defaults.metrics_address, defaults.deferred_state) == (None, "0.0.0.0", True)
+    chosen = CapsSettings.from_conf(
+        {
+            "caps_history_seconds": 900,
+            "caps_history_max_events": 500,
+            "caps_metrics_port": 9808,
+            "caps_metrics_address": "127.0.0.1",
+            "caps_deferred_state": False,
+        }
+    )
+    assert (chosen.history_seconds, chosen.history_max_events) == (900.0, 500)
+    assert (chosen.metrics_port, chosen.metrics_address, chosen.deferred_state) == (9808, "127.0.0.1", False)
+    assert CapsSettings.from_conf({"caps_history_seconds": 0}).history_seconds is None
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("caps_history_seconds", -5),
+        ("caps_history_seconds", "10m"),
+        ("caps_history_max_events", 0),
+        ("caps_history_max_events", 2.5),
+        ("caps_metrics_port", 0),
+        ("caps_metrics_port", 70000),
+        ("caps_metrics_port", "9808"),
+        ("caps_metrics_port", True),
+        ("caps_metrics_address", ""),
+        ("caps_deferred_state", "yes"),
+    ],
+    ids=repr,
+)
+def test_a_bad_operator_setting_is_named(name: str, value: object) -> None:
+    from celery_caps.settings import CapsSettings
+
+    with pytest.raises(ConfigurationError, match=name):
+        CapsSettings.from_conf({name: value})

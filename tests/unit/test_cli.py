@@ -1,0 +1,650 @@
+"""``celery caps ...`` on every store of the table, through click's runner with a real Celery app.
+
+Each test builds a Celery app whose ``caps_url`` is this test's store (the store
+object itself, so a Redis store keeps its private key prefix), declares caps
+under the test's own prefix, puts real leases and history into the store, and
+runs the commands.  One test runs the real ``celery`` executable to check the
+entry point is wired; others point the app at stores that cannot be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from click.testing import CliRunner, Result
+
+from celery_caps import Cap, CappedTask
+from celery_caps.cli import caps, duration, parse_duration
+from celery_caps.parking import encode_payload
+from celery_caps.stores.base import PARK_PARKED, HistoryEvent, SlotStore
+from tests.services import own_status
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LONG = 120.0
+SHORT = 0.3
+
+
+class Obj:
+    """What ``celery`` hands its sub-commands as ``ctx.obj`` (a ``CLIContext``): the app."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+
+@pytest.fixture
+def app(store: SlotStore, prefix: str) -> Iterator[Celery]:
+    """An app with three capped tasks whose caps live under this test's prefix."""
+    app = Celery(f"{prefix}proj", broker="memory://", set_as_current=False)
+    app.conf.caps_url = store
+    app.conf.caps_history_seconds = 600
+    app.conf.task_default_queue = f"{prefix}q"
+
+    @app.task(base=CappedTask, cap=Cap(f"{prefix}email", 3), name=f"{prefix}send_email", shared=False)
+    def send_email(to: str) -> None: ...
+
+    @app.task(
+        base=CappedTask,
+        cap=[Cap(f"{prefix}provider", 2), Cap(f"{prefix}tenant", 1, key=lambda tenant, path: tenant)],
+        name=f"{prefix}import_file",
+        shared=False,
+    )
+    def import_file(tenant: str, path: str) -> None: ...
+
+    app.finalize()
+    yield app
+    app.close()
+
+
+def run(app: Celery, *args: str, input: str | None = None) -> Result:
+    return CliRunner().invoke(caps, list(args), obj=Obj(app), input=input, catch_exceptions=False)
+
+
+def take(store: SlotStore, slots: dict[str, int], task_id: str, *, name: str, holder: str, lease: float = LONG) -> str:
+    run_id = uuid.uuid4().hex
+    assert store.acquire(slots, task_id, run_id, holder, lease, task_name=name).granted
+    return run_id
+
+
+def parking_store(store: SlotStore) -> SlotStore:
+    if not store.supports_parking:
+        pytest.skip(f"{type(store).__name__} has no waiting list")
+    return store
+
+
+def park_task(
+    app: Celery, store: SlotStore, slots: dict[str, int], task_id: str, *, first: float, tenant: str = "acme"
+) -> None:
+    """Park a real ``import_file`` message for ``task_id`` (first deferred at ``first``, epoch seconds)."""
+    name = next(name for name in app.tasks if name.endswith("import_file"))
+    payload = encode_payload(app, app.signature(name, args=[tenant, "path"], options={"task_id": task_id}))
+    outcome = store.park(
+        slots, task_id, uuid.uuid4().hex, "w2@host-b/2", LONG, payload=payload, first_deferred_at=first,
+        max_waiters=100, task_name=name,
+    )  # fmt: skip
+    assert outcome == PARK_PARKED, outcome
+
+
+def published(app: Celery) -> list[dict[str, Any]]:
+    """The headers of every message published to the app's default queue (consumed)."""
+    headers = []
+    with app.connection_for_read() as connection:
+        queue = connection.SimpleQueue(app.conf.task_default_queue)
+        try:
+            while True:
+                try:
+                    message = queue.get(block=True, timeout=0.2)
+                except queue.Empty:
+                    return headers
+                headers.append(dict(message.headers))
+                message.ack()
+        finally:
+            queue.close()
+
+
+def wait_expired(store: SlotStore, run_id: str) -> None:
+    deadline = time.monotonic() + 10
+    while any(lease.expires_in > 0 for lease in store.leases() if lease.run_id == run_id):
+        assert time.monotonic() < deadline, "lease did not expire"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def busy(store: SlotStore, prefix: str) -> dict[str, Any]:
+    """Given: two imports for tenant acme's single slot, one running, one put back twice;
+    an e-mail running; an expired lease of tenant old."""
+    p = prefix
+    running = f"{p}task-running"
+    waiting = f"{p}task-waiting"
+    take(store, {f"{p}provider": 2, f"{p}tenant:acme": 1}, running, name=f"{p}import_file", holder="w1@host-a/4242")
+    take(store, {f"{p}email": 3}, f"{p}task-email", name=f"{p}send_email", holder="w2@host-b/77")
+    expired = take(
+        store, {f"{p}tenant:old": 1}, f"{p}task-old", name=f"{p}import_file", holder="w1@host-a/9", lease=SHORT
+    )
+    now = time.time()
+    slots = (f"{p}provider", f"{p}tenant:acme")
+    store.record_history(
+        [
+            HistoryEvent(
+                "deferred", now - 5, waiting, f"{p}import_file", slots, (f"{p}tenant:acme",), "w2@b/1", None, 0
+            ),
+            HistoryEvent(
+                "deferred", now - 2, waiting, f"{p}import_file", slots, (f"{p}tenant:acme",), "w2@b/1", None, 1
+            ),
+            HistoryEvent("ran", now - 30, f"{p}task-done", f"{p}import_file", slots, (), "w1@host-a/4242", now - 40, 0),
+        ],
+        keep_seconds=600,
+        max_events=100_000,
+    )
+    wait_expired(store, expired)
+    return {"running": running, "waiting": waiting}
+
+
+# -- status ----------------------------------------------------------------------------
+
+
+def test_status_lists_every_cap_and_slot_with_limits_holders_expired_and_keys(
+    app: Celery, busy: dict[str, Any], prefix: str
+) -> None:
+    result = run(app, "status", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    caps_seen = {line["cap"]: line for line in report["caps"] if line["cap"].startswith(prefix)}
+    assert caps_seen[f"{prefix}tenant"] == {
+        "cap": f"{prefix}tenant",
+        "limit": 1,
+        "registered": True,
+        "keyed": True,
+        "keys": 2,
+        "holders": 1,
+        "expired": 1,
+        "waiters": 0,
+        "tasks": [f"{prefix}import_file"],
+    }
+    assert (caps_seen[f"{prefix}email"]["holders"], caps_seen[f"{prefix}email"]["keys"]) == (1, 0)
+    slots = {line["slot"]: line for line in report["slots"] if line["slot"].startswith(prefix)}
+    assert slots[f"{prefix}tenant:acme"] == {
+        "slot": f"{prefix}tenant:acme",
+        "cap": f"{prefix}tenant",
+        "limit": 1,
+        "holders": 1,
+        "expired": 0,
+        "waiters": 0,
+        "oldest_waiter_seconds": None,
+    }
+    assert (slots[f"{prefix}tenant:old"]["holders"], slots[f"{prefix}tenant:old"]["expired"]) == (0, 1)
+
+    table = run(app, "status", "--cap", f"{prefix}tenant")
+    assert table.exit_code == 0
+    assert f"{prefix}tenant:acme" in table.output and "(full)" in table.output
+    assert f"{prefix}email" not in table.output
+
+
+def test_status_of_an_app_whose_caps_were_never_used(app: Celery, prefix: str) -> None:
+    report = json.loads(run(app, "status", "--json").output)
+    mine = [line for line in report["caps"] if line["cap"].startswith(prefix)]
+    assert [(line["cap"], line["limit"], line["holders"]) for line in mine] == [
+        (f"{prefix}email", 3, 0),
+        (f"{prefix}provider", 2, 0),
+        (f"{prefix}tenant", 1, 0),
+    ]
+
+
+# -- holders ---------------------------------------------------------------------------
+
+
+def test_holders_of_a_cap_or_a_slot(app: Celery, busy: dict[str, Any], prefix: str) -> None:
+    result = run(app, "holders", f"{prefix}tenant", "--json")
+    assert result.exit_code == 0, result.output
+    [lease] = json.loads(result.output)  # the expired lease of tenant:old is not live
+    assert {key: lease[key] for key in ("slot", "task_id", "task_name", "worker", "pid")} == {
+        "slot": f"{prefix}tenant:acme",
+        "task_id": busy["running"],
+        "task_name": f"{prefix}import_file",
+        "worker": "w1@host-a",
+        "pid": 4242,
+    }
+    assert 0 <= lease["age_seconds"] < 30 and 60 < lease["expires_in_seconds"] <= LONG
+
+    table = run(app, "holders", f"{prefix}tenant:acme")
+    assert table.exit_code == 0
+    for text in (busy["running"], f"{prefix}import_file", "w1@host-a", "4242"):
+        assert text in table.output
+    assert run(app, "holders", f"{prefix}email").output.count(f"{prefix}task-email") == 1
+    assert run(app, "holders", f"{prefix}tenant:nobody").exit_code == 0  # a key of a registered cap
+
+
+def test_holders_of_an_unknown_name_fails_in_one_line(app: Celery, prefix: str) -> None:
+    result = run(app, "holders", f"{prefix}no-such-cap")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"Error: no slot or cap named '{prefix}no-such-cap' (see `celery caps status`)"
+    ]
+
+
+# -- explain ---------------------------------------------------------------------------
+
+
+def test_explain_a_waiting_task_names_the_full_cap_and_its_holder(
+    app: Celery, busy: dict[str, Any], prefix: str
+) -> None:
+    result = run(app, "explain", busy["waiting"], "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert (report["state"], report["task_name"], report["deferrals"]) == ("waiting", f"{prefix}import_file", 2)
+    assert report["last_full_slots"] == [f"{prefix}tenant:acme"]
+    by_slot = {slot["slot"]: slot for slot in report["slots"]}
+    assert by_slot[f"{prefix}tenant:acme"]["full"] is True
+    assert [lease["task_id"] for lease in by_slot[f"{prefix}tenant:acme"]["held_by"]] == [busy["running"]]
+    assert by_slot[f"{prefix}provider"]["full"] is False
+
+    text = run(app, "explain", busy["waiting"]).output
+    assert "waiting" in text and "put back 2 time(s)" in text and "FULL" in text and busy["running"] in text
+
+
+def test_explain_a_running_and_a_finished_task(app: Celery, busy: dict[str, Any], prefix: str) -> None:
+    report = json.loads(run(app, "explain", busy["running"], "--json").output)
+    assert report["state"] == "running"
+    assert sorted(lease["slot"] for lease in report["holds"]) == [f"{prefix}provider", f"{prefix}tenant:acme"]
+    report = json.loads(run(app, "explain", f"{prefix}task-done", "--json").output)
+    assert report["state"] == "ran" and report["runs"][0]["holder"] == "w1@host-a/4242"
+
+
+def test_explain_an_unknown_task_says_so_and_fails(app: Celery, prefix: str) -> None:
+    result = run(app, "explain", f"{prefix}never-seen")
+    assert result.exit_code == 1
+    assert "unknown" in result.output
+
+
+# -- sweep, release, prune-keys --------------------------------------------------------
+
+
+def test_sweep_removes_expired_leases_and_says_which(
+    app: Celery, busy: dict[str, Any], store: SlotStore, prefix: str
+) -> None:
+    result = run(app, "sweep")
+    assert result.exit_code == 0, result.output
+    assert f"{prefix}task-old" in result.output
+    assert "deleted" in result.output and "expired lease(s)" in result.output
+    assert own_status(store, prefix)[f"{prefix}tenant:old"].expired == 0
+
+
+def test_release_asks_first_then_frees_every_lease_of_the_task(
+    app: Celery, busy: dict[str, Any], store: SlotStore, prefix: str
+) -> None:
+    running = busy["running"]
+    declined = run(app, "release", running, input="n\n")
+    assert declined.exit_code == 1 and "Aborted" in declined.output
+    assert own_status(store, prefix)[f"{prefix}tenant:acme"].holders == 1
+
+    accepted = run(app, "release", running, input="y\n")
+    assert accepted.exit_code == 0, accepted.output
+    assert f"released 2 lease(s) of task {running}" in accepted.output
+    assert own_status(store, prefix)[f"{prefix}tenant:acme"].holders == 0
+
+    assert (
+        run(app, "release", f"{prefix}task-email", "--yes")
+        .output.strip()
+        .endswith(f"released 1 lease(s) of task {prefix}task-email")
+    )
+    assert run(app, "release", running, "--yes").output.strip() == f"task {running} holds no lease"
+
+
+def test_prune_keys_dry_run_then_for_real(app: Celery, busy: dict[str, Any], store: SlotStore, prefix: str) -> None:
+    cap = f"{prefix}tenant"
+    dry = run(app, "prune-keys", cap, "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert dry.output.splitlines() == [f"would delete 1 key(s) of cap {cap}", f"  {cap}:old"]
+    assert f"{cap}:old" in own_status(store, prefix)
+
+    done = run(app, "prune-keys", cap)
+    assert done.output.splitlines() == [f"deleted 1 key(s) of cap {cap}", f"  {cap}:old"]
+    assert set(own_status(store, prefix)) == {f"{prefix}email", f"{prefix}provider", f"{cap}:acme"}
+
+
+def test_release_of_a_parked_task_drops_it_and_hands_its_dispatch_to_the_next_waiter(
+    app: Celery, store: SlotStore, prefix: str
+) -> None:
+    parking_store(store)
+    app.conf.caps_strategy = "park"
+    slot = f"{prefix}tenant:acme"
+    running = take(store, {slot: 1}, f"{prefix}running", name=f"{prefix}import_file", holder="w1@host-a/1")
+    dropped, following = f"{prefix}dropped", f"{prefix}following"
+    park_task(app, store, {slot: 1}, dropped, first=1.0)
+    park_task(app, store, {slot: 1}, following, first=2.0)
+    # Given the dropped task dispatched (its message on the way) when the operator releases it
+    _, [dispatched] = store.release_and_wake(running, LONG)
+    assert dispatched.task_id == dropped
+
+    result = run(app, "release", dropped, input="y\n")
+
+    assert result.exit_code == 0, result.output
+    assert "drop it from the waiting list of 1 slot(s) (it will not run)" in result.output
+    assert f"removed task {dropped} from the waiting list of 1 slot(s); it will not run" in result.output
+    # ... its slot went on to the next waiter, whose message was published
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(following, True)]
+    assert [lease.task_id for lease in store.leases(slot)] == [following]
+    assert [message["id"] for message in published(app)] == [following]
+    assert run(app, "release", dropped, "--yes").output.strip() == f"task {dropped} holds no lease"
+
+
+def test_prune_keys_keeps_a_key_that_a_parked_task_waits_for(
+    app: Celery, busy: dict[str, Any], store: SlotStore, prefix: str
+) -> None:
+    parking_store(store)
+    cap = f"{prefix}tenant"
+    # Given a task parked for key "gone", whose holder's lease then expired (nobody woke it yet)
+    holder = take(store, {f"{cap}:gone": 1}, f"{prefix}gone", name="t", holder="w1@host-a/3", lease=SHORT)
+    park_task(app, store, {f"{cap}:gone": 1}, f"{prefix}parked", first=1.0, tenant="gone")
+    wait_expired(store, holder)
+
+    result = run(app, "prune-keys", cap)
+
+    # Then only the idle key "old" goes
+    assert result.output.splitlines() == [f"deleted 1 key(s) of cap {cap}", f"  {cap}:old"]
+    assert f"{cap}:gone" in own_status(store, prefix)
+
+
+def test_sweep_with_park_wakes_the_waiter_of_an_expired_lease(app: Celery, store: SlotStore, prefix: str) -> None:
+    parking_store(store)
+    app.conf.caps_strategy = "park"
+    slot = f"{prefix}tenant:gone"
+    # Given a task parked behind a holder whose lease expired (its worker died: nobody released)
+    holder = take(store, {slot: 1}, f"{prefix}dead", name="t", holder="w1@host-a/3", lease=SHORT)
+    park_task(app, store, {slot: 1}, f"{prefix}parked", first=1.0, tenant="gone")
+    wait_expired(store, holder)
+
+    result = run(app, "sweep")
+
+    # Then the expired lease is deleted and the waiter is dispatched and published
+    assert result.exit_code == 0, result.output
+    assert "deleted" in result.output and "published" in result.output, result.output
+    assert f"{prefix}parked" in [message["id"] for message in published(app)]
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}parked", True)]
+
+
+@pytest.mark.parametrize("argument", ["tenant:acme", ""])
+def test_prune_keys_refuses_a_slot_name(app: Celery, argument: str) -> None:
+    result = run(app, "prune-keys", argument)
+    assert result.exit_code == 2
+    assert "is not a cap name" in result.output
+
+
+# -- the waiting list (park strategy) ----------------------------------------------------------
+
+
+@pytest.fixture
+def parked(app: Celery, busy: dict[str, Any], store: SlotStore, prefix: str) -> list[str]:
+    """Given (on top of ``busy``) two imports for tenant acme parked behind the running one,
+    first deferred 20 s and 10 s ago; returns their task ids, oldest first."""
+    parking_store(store)
+    app.conf.caps_strategy = "park"
+    slots = {f"{prefix}provider": 2, f"{prefix}tenant:acme": 1}
+    task_ids = [f"{prefix}parked-older", f"{prefix}parked-younger"]
+    for task_id, ago in zip(task_ids, (20, 10), strict=True):
+        park_task(app, store, slots, task_id, first=time.time() - ago)
+    return task_ids
+
+
+def test_status_shows_how_many_tasks_wait_and_the_oldest_wait(app: Celery, parked: list[str], prefix: str) -> None:
+    report = json.loads(run(app, "status", "--json").output)
+    slots = {line["slot"]: line for line in report["slots"] if line["slot"].startswith(prefix)}
+    for slot in (f"{prefix}tenant:acme", f"{prefix}provider"):
+        assert slots[slot]["waiters"] == 2
+        assert 0 <= slots[slot]["oldest_waiter_seconds"] < 60
+    assert (slots[f"{prefix}email"]["waiters"], slots[f"{prefix}email"]["oldest_waiter_seconds"]) == (0, None)
+    caps_seen = {line["cap"]: line for line in report["caps"]}
+    assert (caps_seen[f"{prefix}tenant"]["waiters"], caps_seen[f"{prefix}email"]["waiters"]) == (2, 0)
+
+    table = run(app, "status", "--cap", f"{prefix}tenant").output
+    assert "waiting" in table and "oldest wait" in table
+    [acme] = [line for line in table.splitlines() if f"{prefix}tenant:acme" in line]
+    assert acme.split("│")[5].strip() == "2", acme
+
+
+def test_explain_a_parked_task_gives_its_place_in_line_and_its_wait(
+    app: Celery, parked: list[str], prefix: str
+) -> None:
+    report = json.loads(run(app, "explain", parked[1], "--json").output)
+    assert report["state"] == "parked"
+    assert {(e["slot"], e["position"], e["waiters"], e["dispatched"]) for e in report["parked"]} == {
+        (f"{prefix}provider", 2, 2, False),
+        (f"{prefix}tenant:acme", 2, 2, False),
+    }
+    assert 9 < report["waited_seconds"] < 60
+    assert {slot["slot"]: slot["full"] for slot in report["slots"]}[f"{prefix}tenant:acme"] is True
+
+    text = run(app, "explain", parked[1]).output
+    assert f"task {parked[1]} ({prefix}import_file): parked" in text
+    assert f"{prefix}tenant:acme: position 2 of 2" in text
+
+
+def test_waiters_lists_a_caps_waiting_tasks_in_order(app: Celery, parked: list[str], prefix: str) -> None:
+    result = run(app, "waiters", f"{prefix}tenant", "--json")
+    assert result.exit_code == 0, result.output
+    listed = json.loads(result.output)
+    assert [(w["slot"], w["position"], w["task_id"], w["state"]) for w in listed] == [
+        (f"{prefix}tenant:acme", 1, parked[0], "waiting"),
+        (f"{prefix}tenant:acme", 2, parked[1], "waiting"),
+    ]
+    assert [round(w["waited_seconds"]) // 10 for w in listed] == [2, 1]
+    assert listed[0]["task_name"] == f"{prefix}import_file"
+
+    table = run(app, "waiters", f"{prefix}provider").output
+    assert table.index(parked[0]) < table.index(parked[1]) and "waiting" in table
+    assert run(app, "waiters", f"{prefix}email").output.strip() == f"{prefix}email: no waiting task"
+    unknown = run(app, "waiters", f"{prefix}nothing")
+    assert unknown.exit_code == 1
+    assert unknown.output.strip() == f"Error: no slot or cap named '{prefix}nothing' (see `celery caps status`)"
+
+
+def test_drain_publishes_the_waiting_tasks_then_empties_the_list(
+    app: Celery, parked: list[str], store: SlotStore, prefix: str
+) -> None:
+    cap = f"{prefix}tenant"
+    dry = run(app, "drain", cap, "--dry-run")
+    assert dry.exit_code == 0 and f"would publish 2 waiting task(s) of {cap}" in dry.output
+    declined = run(app, "drain", cap, input="n\n")
+    assert declined.exit_code == 1 and "Aborted" in declined.output
+    assert len(store.waiters(f"{cap}:acme")) == 2 and published(app) == []
+
+    result = run(app, "drain", cap, "--yes")
+
+    assert result.exit_code == 0, result.output
+    assert f"published 2 waiting task(s) of {cap}; they left the waiting list" in result.output
+    assert [w for w in store.waiters() if w.slot.startswith(prefix)] == []
+    messages = published(app)
+    assert [message["id"] for message in messages] == parked  # oldest first, as ordinary messages
+    assert all("caps_dispatch_run_id" not in message for message in messages)
+    assert run(app, "drain", cap, "--yes").output.strip() == f"{cap}: no waiting task"
+
+
+def test_drain_keeps_the_tasks_it_cannot_publish(app: Celery, parked: list[str], store: SlotStore, prefix: str) -> None:
+    # Given a broker that refuses connections
+    app.conf.broker_url = "redis://127.0.0.1:1/0"
+
+    result = run(app, "drain", f"{prefix}tenant", "--yes")
+
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1] == (
+        "Error: 2 task(s) could not be published (is the broker reachable?); they stay in the waiting list"
+    )
+    assert [(w.task_id, w.dispatched) for w in store.waiters(f"{prefix}tenant:acme")] == [
+        (parked[0], False),
+        (parked[1], False),
+    ]
+
+
+def test_redispatch_hands_free_slots_to_waiting_tasks_now(
+    app: Celery, busy: dict[str, Any], parked: list[str], store: SlotStore, prefix: str
+) -> None:
+    # Given the running import's slots freed without waking anyone (as by a plain release)
+    assert store.release_task(busy["running"]) == 2
+    assert run(app, "redispatch", f"{prefix}email").output.strip() == f"{prefix}email: no waiting task"
+
+    result = run(app, "redispatch", f"{prefix}tenant")
+
+    # Then the oldest waiter gets tenant acme's single slot, and its message carries its dispatch
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        f"dispatched 1 waiting task(s) of {prefix}tenant",
+        f"  {parked[0]} {prefix}import_file",
+    ]
+    assert [(w.task_id, w.dispatched) for w in store.waiters(f"{prefix}tenant:acme")] == [
+        (parked[0], True),
+        (parked[1], False),
+    ]
+    [message] = published(app)
+    assert message["id"] == parked[0] and message["caps_dispatch_run_id"]
+    assert {lease.run_id for lease in store.leases(f"{prefix}tenant:acme")} == {message["caps_dispatch_run_id"]}
+
+
+def test_waiting_list_commands_on_a_store_without_one(app: Celery, store: SlotStore, prefix: str) -> None:
+    if store.supports_parking:
+        pytest.skip("this store has a waiting list")
+    assert run(app, "waiters", f"{prefix}tenant").output.strip() == f"{prefix}tenant: no waiting task"
+    for command in ("drain", "redispatch"):
+        result = run(app, command, f"{prefix}tenant")
+        assert result.exit_code == 1
+        assert result.output.strip() == f"Error: the slot store {type(store).__name__} has no waiting list"
+
+
+# -- watch, timeline -------------------------------------------------------------------
+
+
+def test_watch_refreshes_the_tables(app: Celery, busy: dict[str, Any], prefix: str) -> None:
+    result = run(app, "watch", "--interval", "0.1", "--iterations", "2", "--cap", f"{prefix}tenant")
+    assert result.exit_code == 0, result.output
+    assert f"{prefix}tenant:acme" in result.output and "Ctrl-C" in result.output
+
+
+def test_timeline_draws_a_picture_of_the_history(
+    app: Celery, busy: dict[str, Any], prefix: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "caps.png"
+    result = run(app, "timeline", "--since", "5m", "--out", str(out), "--cap", f"{prefix}tenant")
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {out}: 1 slot(s)" in result.output
+
+
+def test_timeline_without_history_says_how_to_get_one(app: Celery, prefix: str, tmp_path: Path) -> None:
+    app.conf.caps_history_seconds = None
+    result = run(app, "timeline", "--since", "1m", "--out", str(tmp_path / "x.png"), "--cap", f"{prefix}tenant")
+    assert result.exit_code == 1
+    assert (
+        result.output.strip()
+        == "Error: nothing to draw: no run or put-back recorded in the last 1m (caps_history_seconds is not set)"
+    )
+
+
+@pytest.mark.parametrize("since", ["ten minutes", "-5m", "5x"])
+def test_timeline_refuses_a_bad_duration(app: Celery, since: str, tmp_path: Path) -> None:
+    result = run(app, "timeline", "--since", since, "--out", str(tmp_path / "x.png"))
+    assert result.exit_code == 2 and "is not a duration" in result.output
+
+
+def test_durations_read_and_print() -> None:
+    assert [parse_duration(text) for text in ("90", "90s", "10m", "1.5h", "1d")] == [90, 90, 600, 5400, 86400]
+    assert [duration(s) for s in (None, 0.25, 42, 185, 7800, -3)] == ["-", "0.2s", "42s", "3m05s", "2h10m", "-3.0s"]
+
+
+# -- failures: no caps_url, unreachable stores ------------------------------------------------
+
+COMMANDS = [
+    ["status"],
+    ["status", "--json"],
+    ["holders", "tenant"],
+    ["explain", "some-task"],
+    ["sweep"],
+    ["release", "some-task", "--yes"],
+    ["prune-keys", "tenant"],
+    ["waiters", "tenant"],
+    ["drain", "tenant", "--yes"],
+    ["redispatch", "tenant"],
+    ["watch", "--iterations", "1"],
+    ["timeline", "--out", "/dev/null"],
+]
+
+
+def bare_app(caps_url: Any) -> Celery:
+    app = Celery("bare", broker="memory://", set_as_current=False)
+    app.conf.caps_url = caps_url
+    return app
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(command[:2]) for command in COMMANDS])
+def test_every_command_needs_caps_url(command: list[str]) -> None:
+    result = run(bare_app(None), *command)
+    assert result.exit_code == 1
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("Error: caps_url is not set")
+
+
+UNREACHABLE = {
+    "sqlite": "sqlite:////nonexistent-dir/caps.db",
+    "postgres": "postgresql+psycopg://caps:s3cret-pw@127.0.0.1:1/caps?connect_timeout=2",
+    "redis": "redis://:s3cret-pw@127.0.0.1:1/0",
+}
+
+
+# Every command on one unreachable store; a few on the others (a refused SQL connection is
+# tried again for half a second while the schema is being created).
+DOWN_CASES = [
+    pytest.param(UNREACHABLE[name], command, id=f"{name}-{' '.join(command[:2])}", marks=getattr(pytest.mark, name))
+    for name in UNREACHABLE
+    for command in (
+        COMMANDS if name == "redis" else [["status"], ["explain", "some-task"], ["timeline", "--out", "/dev/null"]]
+    )
+]
+
+
+@pytest.mark.parametrize(("url", "command"), DOWN_CASES)
+def test_every_command_fails_in_one_line_without_credentials_when_the_store_is_down(
+    url: str, command: list[str]
+) -> None:
+    result = run(bare_app(url), *command)
+    assert result.exit_code == 1, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("Error: ") and "failed on" in line
+    assert "s3cret" not in result.output
+
+
+def test_an_unknown_store_scheme_is_a_one_line_error() -> None:
+    result = run(bare_app("mongodb://u:s3cret@db/x"), "status")
+    assert result.exit_code == 1
+    assert result.output.strip() == (
+        "Error: caps_url 'mongodb://u:***@db/x': unknown store scheme 'mongodb'; use sqlite:///path, "
+        "postgresql+psycopg://..., mysql+pymysql://..., redis://... or memory://"
+    )
+
+
+# -- the real `celery` executable ----------------------------------------------------------------
+
+
+@pytest.mark.sqlite
+def test_the_celery_command_has_caps_and_the_worker_option(tmp_path: Path) -> None:
+    env = {**os.environ, "CAPS_CLI_TEST_URL": f"sqlite:///{tmp_path}/caps.db"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+
+    def celery(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "celery", "-A", "tests.unit.cliapp", *args]
+        return subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+
+    status = celery("caps", "status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert {line["cap"]: line["limit"] for line in json.loads(status.stdout)["caps"]} == {"cli-provider": 5}
+    env["CAPS_CLI_TEST_URL"] = "redis://:s3cret@127.0.0.1:1/0"
+    down = celery("caps", "status")
+    assert down.returncode == 1 and down.stdout == ""
+    assert down.stderr.startswith("Error: status failed on redis://:***@127.0.0.1:1/0") and "s3cret" not in down.stderr
+    assert "--caps-metrics-port" in celery("worker", "--help").stdout

@@ -1,0 +1,1284 @@
+"""The store contract, on every store of the table (memory, SQLite, PostgreSQL, MySQL, Redis).
+
+Every test builds its store from its URL (``tests/services.py``) and names its
+slots and task ids under its own random prefix, so that test runs sharing a
+server never see each other's slots.  Expiry tests use sub-second leases and wait for the
+store's clock with a deadline; the race tests start real OS processes that each
+build their own store (threads for the in-memory store, which one process owns).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+from celery_caps.caps import MAX_SLOT_LENGTH
+from celery_caps.stores.base import (
+    DISPATCH_HOLDER,
+    PARK_ADMITTED,
+    PARK_LIST_FULL,
+    PARK_PARKED,
+    PARK_ROOM,
+    Admission,
+    HistoryEvent,
+    Lease,
+    SlotStatus,
+    SlotStore,
+)
+from tests.services import StoreKind, StoreTarget, own_status
+
+#: Long enough never to expire during a test, in seconds.
+LONG_LEASE = 120.0
+#: Short enough to wait for, in seconds.
+SHORT_LEASE = 0.4
+HOLDER = "worker1@host-a/101"
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+def admit(
+    store: SlotStore,
+    slots: Mapping[str, int],
+    task_id: str,
+    *,
+    run_id: str | None = None,
+    holder: str = HOLDER,
+    lease_seconds: float = LONG_LEASE,
+) -> str:
+    """Acquire ``slots`` for a new run of ``task_id``, which must be granted; returns the run id."""
+    run_id = run_id or new_run_id()
+    admission = store.acquire(slots, task_id, run_id, holder, lease_seconds)
+    assert admission == Admission(True), f"task {task_id!r} was refused {dict(slots)}: {admission}"
+    return run_id
+
+
+def refused_slots(store: SlotStore, slots: Mapping[str, int], task_id: str) -> set[str]:
+    """Acquire ``slots`` for a new run of ``task_id``, which must be refused; returns the full slots."""
+    admission = store.acquire(slots, task_id, new_run_id(), HOLDER, LONG_LEASE)
+    assert not admission.granted, f"task {task_id!r} was admitted to {dict(slots)} but they are full"
+    assert len(set(admission.full_slots)) == len(admission.full_slots)
+    return set(admission.full_slots)
+
+
+def own_leases(store: SlotStore, prefix: str) -> list[Lease]:
+    return [lease for lease in store.leases() if lease.slot.startswith(prefix)]
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"still not true after {timeout} s: {what}")
+        time.sleep(0.02)
+
+
+def wait_until_expired(store: SlotStore, run_ids: Sequence[str]) -> None:
+    """Wait until every lease of ``run_ids`` is past its expiry by the store's clock."""
+
+    def expired() -> bool:
+        leases = [lease for lease in store.leases() if lease.run_id in run_ids]
+        assert leases, f"runs {run_ids} hold no lease at all"
+        return all(lease.expires_in <= 0 for lease in leases)
+
+    wait_until(expired, f"leases of {run_ids} expired")
+
+
+# -- one run's lease ----------------------------------------------------------
+#
+# ``prefix`` is this test's own: it starts every slot name *and* every task id,
+# because release_task/release_holder reach every lease of a task id, and test
+# runs sharing a server must never release each other's.
+
+
+def test_a_lease_is_acquired_listed_renewed_and_released(store: SlotStore, prefix: str) -> None:
+    slot, task = f"{prefix}email-provider", f"{prefix}task-1"
+
+    run_id = admit(store, {slot: 2}, task, holder="w1@host/7", lease_seconds=20.0)
+
+    [lease] = store.leases(slot)
+    assert (lease.slot, lease.task_id, lease.run_id, lease.holder) == (slot, task, run_id, "w1@host/7")
+    assert 10.0 < lease.expires_in <= 20.0
+    assert own_status(store, prefix) == {slot: SlotStatus(slot, limit=2, holders=1, expired=0)}
+
+    assert store.renew([run_id], 50.0) == {run_id: 1}
+    [lease] = store.leases(slot)
+    assert 40.0 < lease.expires_in <= 50.0
+
+    assert store.release(run_id) == 1
+    assert store.leases(slot) == []
+    assert own_status(store, prefix) == {slot: SlotStatus(slot, limit=2, holders=0, expired=0)}
+    # A released run has nothing left to release or renew.
+    assert store.release(run_id) == 0
+    assert store.renew([run_id], 50.0) == {}
+    assert store.renew([], 50.0) == {}
+
+
+def test_a_slot_admits_exactly_limit_distinct_tasks(store: SlotStore, prefix: str) -> None:
+    slot = f"{prefix}licence-server"
+    runs = [admit(store, {slot: 3}, f"{prefix}task-{number}") for number in range(3)]
+
+    assert refused_slots(store, {slot: 3}, f"{prefix}task-3") == {slot}
+    assert own_status(store, prefix)[slot].holders == 3
+
+    assert store.release(runs[1]) == 1
+    admit(store, {slot: 3}, f"{prefix}task-3")
+    assert refused_slots(store, {slot: 3}, f"{prefix}task-4") == {slot}
+    assert own_status(store, prefix)[slot] == SlotStatus(slot, limit=3, holders=3, expired=0)
+
+
+def test_several_caps_are_taken_all_or_nothing(store: SlotStore, prefix: str) -> None:
+    provider, tenant = f"{prefix}provider", f"{prefix}tenant:acme"
+    tenant_run = admit(store, {tenant: 1}, f"{prefix}tenant-task")
+
+    # When a task needs the free provider slot and the full tenant slot
+    assert refused_slots(store, {provider: 5, tenant: 1}, f"{prefix}sync") == {tenant}
+
+    # Then it took neither
+    assert store.leases(provider) == []
+    assert [lease.task_id for lease in store.leases(tenant)] == [f"{prefix}tenant-task"]
+    provider_status = own_status(store, prefix).get(provider)
+    assert provider_status is None or provider_status.holders == 0
+
+    # When the tenant slot frees, one run takes both slots
+    assert store.release(tenant_run) == 1
+    sync_run = admit(store, {provider: 5, tenant: 1}, f"{prefix}sync")
+    assert sorted(lease.slot for lease in own_leases(store, prefix) if lease.run_id == sync_run) == sorted(
+        [provider, tenant]
+    )
+
+    # And a task needing two full slots is told about both
+    assert refused_slots(store, {provider: 1, tenant: 1}, f"{prefix}blocked") == {provider, tenant}
+    assert [lease.run_id for lease in own_leases(store, prefix)] == [sync_run, sync_run]
+
+
+def test_each_key_has_its_own_slot(store: SlotStore, prefix: str) -> None:
+    tenant_a, tenant_b, bare = f"{prefix}tenant:a", f"{prefix}tenant:b", f"{prefix}tenant"
+    admit(store, {tenant_a: 1}, f"{prefix}import-a")
+    admit(store, {tenant_b: 1}, f"{prefix}import-b")
+    admit(store, {bare: 1}, f"{prefix}import-bare")
+
+    assert refused_slots(store, {tenant_a: 1}, f"{prefix}import-a2") == {tenant_a}
+    assert {slot: status.holders for slot, status in own_status(store, prefix).items()} == {
+        tenant_a: 1,
+        tenant_b: 1,
+        bare: 1,
+    }
+
+    # Freeing tenant a frees tenant a only.
+    assert store.release_task(f"{prefix}import-a") == 1
+    admit(store, {tenant_a: 1}, f"{prefix}import-a2")
+    assert refused_slots(store, {tenant_b: 1}, f"{prefix}import-b2") == {tenant_b}
+
+
+# -- the same task id twice -----------------------------------------------------
+
+
+def test_two_runs_of_one_task_id_count_once_and_release_separately(store: SlotStore, prefix: str) -> None:
+    slot, dup, other, third = f"{prefix}imports:acme", f"{prefix}dup", f"{prefix}other", f"{prefix}third"
+    # Given task "dup" running twice (a broker redelivery) and one other task
+    first = admit(store, {slot: 2}, dup, holder="w1@a/1")
+    second = admit(store, {slot: 2}, dup, holder="w2@b/2")
+    admit(store, {slot: 2}, other)
+
+    # Then "dup" counts once: the slot holds two task ids and a third is refused
+    assert own_status(store, prefix)[slot] == SlotStatus(slot, limit=2, holders=2, expired=0)
+    assert refused_slots(store, {slot: 2}, third) == {slot}
+    assert sorted(lease.run_id for lease in store.leases(slot) if lease.task_id == dup) == sorted([first, second])
+    # and a third run of "dup" gets in although the slot is full: that task id already holds it
+    third_run = admit(store, {slot: 2}, dup)
+    assert store.release(third_run) == 1
+
+    # When the first run ends, the second still holds the slot
+    assert store.release(first) == 1
+    assert refused_slots(store, {slot: 2}, third) == {slot}
+    assert [lease.run_id for lease in store.leases(slot) if lease.task_id == dup] == [second]
+
+    # When the last run ends, the slot frees
+    assert store.release(second) == 1
+    admit(store, {slot: 2}, third)
+    assert own_status(store, prefix)[slot].holders == 2
+
+
+# -- expiry ----------------------------------------------------------------------
+
+
+def test_renew_does_not_revive_an_expired_lease(store: SlotStore, prefix: str) -> None:
+    slot, provider, tenant = f"{prefix}slow", f"{prefix}provider", f"{prefix}tenant:a"
+    # Given a run whose lease expired, and a live run holding two slots
+    lost = admit(store, {slot: 1}, f"{prefix}stalled", lease_seconds=SHORT_LEASE)
+    alive = admit(store, {provider: 3, tenant: 3}, f"{prefix}healthy")
+    wait_until_expired(store, [lost])
+
+    # When the lease keeper renews both (and a run that never held anything)
+    renewed = store.renew([lost, alive, new_run_id()], LONG_LEASE)
+
+    # Then only the live run is renewed, once per slot, and the lost run is reported lost
+    assert renewed == {alive: 2}
+    [lease] = store.leases(slot)
+    assert lease.run_id == lost
+    assert lease.expires_in <= 0
+    assert all(lease.expires_in > LONG_LEASE - 30 for lease in store.leases(provider) + store.leases(tenant))
+    # and its room belongs to whoever comes next
+    admit(store, {slot: 1}, f"{prefix}next")
+
+
+def test_an_expired_lease_does_not_count_even_for_its_own_task(store: SlotStore, prefix: str) -> None:
+    slot, crashed = f"{prefix}imports:acme", f"{prefix}crashed"
+    # Given task "crashed" whose lease expired without being swept
+    crashed_run = admit(store, {slot: 1}, crashed, lease_seconds=SHORT_LEASE)
+    wait_until_expired(store, [crashed_run])
+    assert own_status(store, prefix)[slot] == SlotStatus(slot, limit=1, holders=0, expired=1)
+
+    # When another task asks, the expired lease does not hold it back
+    admit(store, {slot: 1}, f"{prefix}next")
+
+    # Then a new run of "crashed" is refused: its expired lease must not pass for "already holds it"
+    assert refused_slots(store, {slot: 1}, crashed) == {slot}
+    assert own_status(store, prefix)[slot] == SlotStatus(slot, limit=1, holders=1, expired=1)
+
+
+def test_a_run_whose_lease_expired_can_be_admitted_again(store: SlotStore, prefix: str) -> None:
+    slot, other, task = f"{prefix}licence", f"{prefix}provider", f"{prefix}slow-task"
+    # Given a run whose leases expired without being swept
+    run_id = admit(store, {slot: 1, other: 2}, task, lease_seconds=SHORT_LEASE)
+    wait_until_expired(store, [run_id])
+
+    # When the same run asks for its slots again, it is admitted
+    admit(store, {slot: 1, other: 2}, task, run_id=run_id)
+
+    # Then it holds one live lease per slot, counted once
+    leases = own_leases(store, prefix)
+    assert sorted((lease.slot, lease.run_id) for lease in leases) == sorted([(slot, run_id), (other, run_id)])
+    assert all(lease.expires_in > LONG_LEASE - 30 for lease in leases)
+    assert own_status(store, prefix)[slot] == SlotStatus(slot, limit=1, holders=1, expired=0)
+    assert refused_slots(store, {slot: 1}, f"{prefix}another") == {slot}
+    assert store.release(run_id) == 2
+
+
+def test_sweep_deletes_only_expired_leases_and_keeps_every_slot(
+    store: SlotStore, store_kind: StoreKind, prefix: str
+) -> None:
+    busy, idle = f"{prefix}busy", f"{prefix}idle"
+    # Given a slot with an expired and a live lease, and a slot whose only lease expired
+    expired_busy = admit(store, {busy: 5}, f"{prefix}gone-1", lease_seconds=SHORT_LEASE)
+    live = admit(store, {busy: 5}, f"{prefix}alive")
+    expired_idle = admit(store, {idle: 2}, f"{prefix}gone-2", lease_seconds=SHORT_LEASE)
+    wait_until_expired(store, [expired_busy, expired_idle])
+
+    # When the sweep runs
+    deleted = store.sweep()
+
+    # Then exactly the expired leases are gone (a shared server may hold other runs' expired leases)
+    if store_kind.shared:
+        assert deleted >= 2
+    else:
+        assert deleted == 2
+    assert [lease.run_id for lease in store.leases(busy)] == [live]
+    assert store.leases(idle) == []
+    # and both slots are still listed with their limits
+    assert own_status(store, prefix) == {
+        busy: SlotStatus(busy, limit=5, holders=1, expired=0),
+        idle: SlotStatus(idle, limit=2, holders=0, expired=0),
+    }
+    if not store_kind.shared:
+        assert store.sweep() == 0
+    admit(store, {idle: 2}, f"{prefix}after-sweep")
+
+
+# -- releasing for someone else ----------------------------------------------------
+
+
+def test_release_holder_deletes_only_that_holders_leases_of_that_task(store: SlotStore, prefix: str) -> None:
+    provider, tenant, task = f"{prefix}provider", f"{prefix}tenant:a", f"{prefix}t"
+    # Given task "t" run by worker w1 (two slots) and redelivered to w2, and task "u" on w1
+    admit(store, {provider: 5, tenant: 5}, task, holder="w1@a/1")
+    redelivered = admit(store, {provider: 5}, task, holder="w2@b/2")
+    neighbour = admit(store, {provider: 5}, f"{prefix}u", holder="w1@a/1")
+
+    # When w1's process is found dead while running "t"
+    assert store.release_holder(task, "w1@a/1") == 2
+
+    # Then only that run's leases are gone
+    assert sorted((lease.slot, lease.run_id) for lease in own_leases(store, prefix)) == sorted(
+        [(provider, redelivered), (provider, neighbour)]
+    )
+    assert store.release_holder(task, "w1@a/1") == 0
+    assert store.release_holder(task, "w1@a") == 0
+
+
+def test_release_task_deletes_every_lease_of_that_task_id_and_nothing_else(store: SlotStore, prefix: str) -> None:
+    tenant_a, tenant_b, provider = f"{prefix}tenant:a", f"{prefix}tenant:b", f"{prefix}provider"
+    revoked, other = f"{prefix}revoked", f"{prefix}other"
+    # Given task "revoked" with runs on several slots, keys and holders
+    admit(store, {tenant_a: 10, provider: 10}, revoked, holder="w1@a/1")
+    admit(store, {tenant_a: 10}, revoked, holder="w2@b/2")
+    admit(store, {tenant_b: 10}, revoked, holder="w3@c/3")
+    # and tasks whose ids look alike, on the same and on other keys
+    lookalikes = [f"{prefix}{task_id}" for task_id in ["revoked-2", "Revoked", "revoked ", "revoke_", "revoke%"]]
+    kept = [(tenant_a, task_id) for task_id in lookalikes]
+    for _, task_id in kept:
+        admit(store, {tenant_a: 10}, task_id)
+    admit(store, {tenant_b: 10, provider: 10}, other)
+
+    # When "revoked" is revoked
+    assert store.release_task(revoked) == 4
+
+    # Then every lease of "revoked" is gone and every other lease is untouched
+    remaining = sorted((lease.slot, lease.task_id) for lease in own_leases(store, prefix))
+    assert remaining == sorted([*kept, (tenant_b, other), (provider, other)])
+    assert {slot: (status.limit, status.holders) for slot, status in own_status(store, prefix).items()} == {
+        tenant_a: (10, len(lookalikes)),
+        tenant_b: (10, 1),
+        provider: (10, 1),
+    }
+    # and the next run of "revoked" starts clean
+    fresh = admit(store, {tenant_a: 10}, revoked)
+    assert [lease.run_id for lease in own_leases(store, prefix) if lease.task_id == revoked] == [fresh]
+
+
+# -- reporting -------------------------------------------------------------------
+
+
+def test_status_counts_distinct_live_holders_and_unswept_leases(store: SlotStore, prefix: str) -> None:
+    slot = f"{prefix}provider"
+    admit(store, {slot: 4}, f"{prefix}a")
+    admit(store, {slot: 4}, f"{prefix}a")
+    admit(store, {slot: 4}, f"{prefix}b")
+    expiring = admit(store, {slot: 4}, f"{prefix}c", lease_seconds=SHORT_LEASE)
+    assert own_status(store, prefix) == {slot: SlotStatus(slot, limit=4, holders=3, expired=0)}
+
+    wait_until_expired(store, [expiring])
+    assert own_status(store, prefix) == {slot: SlotStatus(slot, limit=4, holders=2, expired=1)}
+
+    # A task admitted under a new limit records it.
+    admit(store, {slot: 6}, f"{prefix}d")
+    assert own_status(store, prefix) == {slot: SlotStatus(slot, limit=6, holders=3, expired=1)}
+
+
+def test_leases_lists_one_slot_or_all(store: SlotStore, prefix: str) -> None:
+    tenant, provider = f"{prefix}tenant:a", f"{prefix}provider"
+    task_a, task_b = f"{prefix}ta", f"{prefix}tb"
+    first = admit(store, {tenant: 3}, task_a, holder="w1@a/1")
+    second = admit(store, {tenant: 3, provider: 3}, task_b, holder="w2@b/2")
+
+    def described(leases: list[Lease]) -> list[tuple[str, str, str, str]]:
+        return sorted((lease.slot, lease.task_id, lease.run_id, lease.holder) for lease in leases)
+
+    tenant_leases = [(tenant, task_a, first, "w1@a/1"), (tenant, task_b, second, "w2@b/2")]
+    provider_leases = [(provider, task_b, second, "w2@b/2")]
+    assert described(store.leases(tenant)) == sorted(tenant_leases)
+    assert described(store.leases(provider)) == provider_leases
+    assert described(own_leases(store, prefix)) == sorted(tenant_leases + provider_leases)
+    # A slot name is matched exactly, never as a prefix or a pattern.
+    assert store.leases(f"{prefix}tenant") == []
+    assert store.leases(f"{prefix}tenant:_") == []
+    assert store.leases(f"{prefix}tenant:%") == []
+    assert store.leases(f"{prefix}tenant:*") == []
+    assert store.leases(f"{prefix}nothing") == []
+
+
+# -- hostile names -------------------------------------------------------------------
+
+#: Slot-name tails that a careless store would merge, mangle or interpret.  They all
+#: differ as Python strings; MySQL's default collations would merge the case,
+#: trailing-space, accent and ß/ss variants, LIKE would merge ``_``/``%`` ones,
+#: Redis hash tags and glob patterns would misread the braces, ``*``, ``?``, ``[]``.
+HOSTILE_NAMES = [
+    "quote'",
+    "''",
+    'double"quote',
+    "semi;colon",
+    "x'; DELETE FROM concurrency_slots; --",
+    "100%",
+    "%",
+    "_",
+    "a_c",
+    "abc",
+    "tenant:a:b",
+    ":",
+    "{braces}",
+    "{tenant}:x",
+    "}{",
+    "back\\slash",
+    "back\\\\slash",
+    "\\",
+    "*",
+    "?",
+    "[ab]",
+    "a",
+    "A",
+    "\uff21",  # fullwidth A
+    "ünïcödé",
+    "emoji 🚀🔥",
+    "\U0001f468\u200d\U0001f469\u200d\U0001f467",  # family: a ZWJ sequence
+    "\u202ertl-override",
+    "\u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d\u0628\u0627",  # Hebrew and Arabic
+    "Tenant",
+    "tenant",
+    "tenant ",
+    "tenant  ",
+    "TENANT",
+    "tenánt",
+    "tenant\u00a0",  # no-break space
+    "straße",
+    "strasse",
+    "\u00e9",  # é, composed
+    "e\u0301",  # é, decomposed
+    "$1",
+    "%s",
+    "{0}",
+]
+
+
+def long_names(prefix: str) -> list[str]:
+    """Slot names of exactly ``MAX_SLOT_LENGTH`` characters that differ only at the end."""
+    room = MAX_SLOT_LENGTH - len(prefix)
+    return [
+        prefix + "x" * room,
+        prefix + "x" * (room - 1) + "y",
+        prefix + "🚀" * room,
+        prefix + "🚀" * (room - 1) + "🔥",
+    ]
+
+
+def test_hostile_slot_names_never_collide_and_come_back_unchanged(store: SlotStore, prefix: str) -> None:
+    slots = [prefix + name for name in HOSTILE_NAMES] + long_names(prefix)
+    assert len(set(slots)) == len(slots)
+    assert all(len(slot) <= MAX_SLOT_LENGTH for slot in slots)
+
+    # Given one limit-1 slot per name, each taken by its own task (two names sharing a
+    # slot would refuse the second task)
+    runs = {slot: admit(store, {slot: 1}, f"{prefix}task-{number}") for number, slot in enumerate(slots)}
+
+    # Then each slot holds exactly its own lease, its name returned unchanged
+    for number, slot in enumerate(slots):
+        assert [(lease.slot, lease.task_id, lease.run_id) for lease in store.leases(slot)] == [
+            (slot, f"{prefix}task-{number}", runs[slot])
+        ]
+    assert own_status(store, prefix) == {slot: SlotStatus(slot, limit=1, holders=1, expired=0) for slot in slots}
+    assert sorted(lease.slot for lease in own_leases(store, prefix)) == sorted(slots)
+
+    # and each is full for anyone else
+    for slot in slots:
+        assert refused_slots(store, {slot: 1}, f"{prefix}intruder") == {slot}
+
+    # When one task takes all of them at once, under another prefix, in one admission
+    batch = {f"{prefix}batch:{name}": 2 for name in HOSTILE_NAMES}
+    batch_run = admit(store, batch, f"{prefix}task-batch")
+    assert sorted(lease.slot for lease in own_leases(store, prefix) if lease.run_id == batch_run) == sorted(batch)
+    assert store.release(batch_run) == len(batch)
+
+    # Releasing one slot's task frees that slot only.
+    assert store.release(runs[prefix + "tenant"]) == 1
+    admit(store, {prefix + "tenant": 1}, f"{prefix}newcomer")
+    for lookalike in ["Tenant", "tenant ", "TENANT", "tenánt", "tenant\u00a0"]:
+        assert refused_slots(store, {prefix + lookalike: 1}, f"{prefix}newcomer-2") == {prefix + lookalike}
+
+
+def test_task_ids_that_differ_only_in_case_spaces_or_accents_are_different_tasks(store: SlotStore, prefix: str) -> None:
+    slot, single = f"{prefix}provider", f"{prefix}licence"
+    names = ["tenant", "Tenant", "tenant ", "TENANT", "tenánt", "ten'ant", "tenant%", "tenan_", "tenant🚀"]
+    task_ids = [prefix + name for name in names] + [prefix + "t" * 200, prefix + "t" * 199 + "T"]
+    # Given each of them holding a slot whose limit is exactly their number
+    for task_id in task_ids:
+        admit(store, {slot: len(task_ids)}, task_id)
+
+    # Then they count as that many tasks and the slot is full
+    assert own_status(store, prefix)[slot].holders == len(task_ids)
+    assert refused_slots(store, {slot: len(task_ids)}, f"{prefix}one-more") == {slot}
+    assert sorted(lease.task_id for lease in store.leases(slot)) == sorted(task_ids)
+
+    # and on a limit-1 slot held by "tenant", its look-alikes are other tasks
+    admit(store, {single: 1}, task_ids[0])
+    for lookalike in task_ids[1:]:
+        assert refused_slots(store, {single: 1}, lookalike) == {single}
+
+    # When "tenant" is revoked, its look-alikes keep their leases
+    assert store.release_task(task_ids[0]) == 2
+    assert sorted(lease.task_id for lease in store.leases(slot)) == sorted(task_ids[1:])
+    assert store.leases(single) == []
+
+
+# -- many contenders at once ---------------------------------------------------------
+#
+# The stores that several processes share are raced by real OS processes, each
+# with its own store built from the URL.  Starting a Python process costs about
+# a second of CPU, so one set of spawned processes serves every race of this
+# module; the in-memory store, which lives in one process, is raced by threads.
+
+CONTENDERS = 16
+_SPAWN = multiprocessing.get_context("spawn")
+_SHARED_INTS = 1024
+_BARRIER_TIMEOUT = 60.0
+_JOB_TIMEOUT = 120.0
+
+
+def _serve_contender(index: int, barrier: Any, shared: Any, inbox: Any, outbox: Any) -> None:
+    """A contender process: run each job it is sent on a store of its own; report its traceback or None."""
+    while (job := inbox.get()) is not None:
+        target, work, args = job
+        try:
+            store = target.open()
+            try:
+                work(store, barrier, shared, index, *args)
+            finally:
+                store.close()
+        except BaseException:
+            barrier.abort()  # the others stop waiting for this one
+            outbox.put((index, traceback.format_exc()))
+        else:
+            outbox.put((index, None))
+
+
+class ContenderProcesses:
+    """``CONTENDERS`` spawned processes sharing one barrier and one array of ints."""
+
+    def __init__(self) -> None:
+        self.barrier = _SPAWN.Barrier(CONTENDERS)
+        self.shared = _SPAWN.Array("q", _SHARED_INTS)
+        self._outbox = _SPAWN.Queue()
+        self._inboxes = [_SPAWN.Queue() for _ in range(CONTENDERS)]
+        self._processes = [
+            _SPAWN.Process(
+                target=_serve_contender,
+                args=(index, self.barrier, self.shared, inbox, self._outbox),
+                name=f"contender-{index}",
+                daemon=True,
+            )
+            for index, inbox in enumerate(self._inboxes)
+        ]
+        for process in self._processes:
+            process.start()
+        self.broken = False
+
+    def run(self, target: StoreTarget, work: Callable[..., None], args: tuple[Any, ...]) -> None:
+        """Run ``work(store, barrier, shared, index, *args)`` in every process; fail if one fails."""
+        self.barrier.reset()
+        self.shared[:] = [0] * _SHARED_INTS
+        for inbox in self._inboxes:
+            inbox.put((target, work, args))
+        failures, deadline = [], time.monotonic() + _JOB_TIMEOUT
+        try:
+            for _ in range(CONTENDERS):
+                index, failure = self._outbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                if failure is not None:
+                    failures.append(f"contender {index}:\n{failure}")
+        except queue.Empty:
+            self.broken = True
+            pytest.fail(f"contender processes did not finish within {_JOB_TIMEOUT} s")
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+
+    def close(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for process in self._processes:
+            process.join(10.0 if not self.broken else 0.0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+@pytest.fixture(scope="module")
+def contender_processes() -> Iterator[Callable[[], ContenderProcesses]]:
+    """Starts the contender processes on first use, and again if a job broke them."""
+    started: list[ContenderProcesses] = []
+
+    def get() -> ContenderProcesses:
+        if started and started[-1].broken:
+            started.pop().close()
+        if not started:
+            started.append(ContenderProcesses())
+        return started[-1]
+
+    yield get
+    for processes in started:
+        processes.close()
+
+
+class Contenders:
+    """Runs one function in ``CONTENDERS`` contenders at once, all sharing ``shared``."""
+
+    def __init__(
+        self,
+        store_kind: StoreKind,
+        target: StoreTarget,
+        store: SlotStore,
+        processes: Callable[[], ContenderProcesses],
+    ) -> None:
+        self._target, self._store = target, store
+        if store_kind.id == "memory":
+            self._processes: ContenderProcesses | None = None
+            self._barrier: Any = threading.Barrier(CONTENDERS)
+            self.shared: Any = _SPAWN.Array("q", _SHARED_INTS)
+        else:
+            self._processes = processes()
+            self.shared = self._processes.shared
+
+    def run(self, work: Callable[..., None], *args: Any) -> None:
+        """Run ``work(store, barrier, shared, index, *args)`` in each contender."""
+        if self._processes is not None:
+            self._processes.run(self._target, work, args)
+            return
+        failures: list[str] = []
+
+        def contend(index: int) -> None:
+            try:
+                work(self._store, self._barrier, self.shared, index, *args)
+            except BaseException:
+                self._barrier.abort()
+                failures.append(f"contender {index}:\n{traceback.format_exc()}")
+
+        threads = [threading.Thread(target=contend, args=(index,)) for index in range(CONTENDERS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(_JOB_TIMEOUT)
+        assert not any(thread.is_alive() for thread in threads), "a contender thread hangs"
+        assert not failures, "\n".join(failures)
+
+
+@pytest.fixture
+def contenders(
+    store_kind: StoreKind,
+    store_target: StoreTarget,
+    store: SlotStore,
+    contender_processes: Callable[[], ContenderProcesses],
+) -> Contenders:
+    return Contenders(store_kind, store_target, store, contender_processes)
+
+
+#: Each race round: (limit, leases already held).  Rounds with ``held == limit - 1``
+#: are races for the last slot.
+RACE_ROUNDS = [(1, 0), (3, 0), (5, 0), (2, 1), (4, 3), (8, 7), (1, 0), (6, 5)] * 3
+_WON, _LOST = 1, 2
+
+
+def _race_slot(prefix: str, round_number: int) -> str:
+    return f"{prefix}race:{round_number}"
+
+
+def _race(store: SlotStore, barrier: Any, outcomes: Any, index: int, prefix: str) -> None:
+    for round_number, (limit, _held) in enumerate(RACE_ROUNDS):
+        barrier.wait(_BARRIER_TIMEOUT)
+        admission = store.acquire(
+            {_race_slot(prefix, round_number): limit},
+            f"{prefix}racer-{index}-round-{round_number}",
+            new_run_id(),
+            f"racer-{index}/{os.getpid()}",
+            LONG_LEASE,
+        )
+        outcomes[round_number * CONTENDERS + index] = _WON if admission.granted else _LOST
+
+
+def test_racers_for_a_slot_win_exactly_its_limit(store: SlotStore, contenders: Contenders, prefix: str) -> None:
+    # Given one slot per round, some with all but their last place already taken
+    for round_number, (limit, held) in enumerate(RACE_ROUNDS):
+        for number in range(held):
+            admit(store, {_race_slot(prefix, round_number): limit}, f"{prefix}early-{round_number}-{number}")
+
+    # When 16 contenders (each its own process and store) ask for each slot at the same moment
+    contenders.run(_race, prefix)
+
+    # Then each round has exactly as many winners as free places, and the store agrees
+    statuses = own_status(store, prefix)
+    for round_number, (limit, held) in enumerate(RACE_ROUNDS):
+        slot = _race_slot(prefix, round_number)
+        outcomes = contenders.shared[round_number * CONTENDERS : (round_number + 1) * CONTENDERS]
+        assert set(outcomes) <= {_WON, _LOST}, f"round {round_number}: a contender never asked"
+        assert outcomes.count(_WON) == limit - held, f"round {round_number} (limit {limit}, {held} held): {outcomes}"
+        assert statuses[slot] == SlotStatus(slot, limit=limit, holders=limit, expired=0)
+        assert len(store.leases(slot)) == limit
+
+
+#: Acquire/release attempts per contender; SQLite serialises every write through one file lock.
+CONTENTION_ATTEMPTS = {"memory": 300, "sqlite": 300, "postgres": 300, "mysql": 300, "redis": 300}
+TENANT_LIMIT = 4
+GLOBAL_LIMIT = 3
+# The gauge: holders now and at peak per slot, then admissions and refusals.
+_TENANT_NOW, _TENANT_PEAK, _GLOBAL_NOW, _GLOBAL_PEAK, _GRANTED, _REFUSED = range(6)
+
+
+def _contend(store: SlotStore, barrier: Any, gauge: Any, index: int, prefix: str, attempts: int) -> None:
+    tenant, global_slot = f"{prefix}tenant:a", f"{prefix}global"
+    # Half the tasks lock "global" first, half "tenant:a" first: no shared first lock
+    # serialises them, so a count read before the tenant lock would show.
+    with_global = {global_slot: GLOBAL_LIMIT, tenant: TENANT_LIMIT}
+    tenant_only = {tenant: TENANT_LIMIT}
+    barrier.wait(_BARRIER_TIMEOUT)
+    for attempt in range(attempts):
+        slots = with_global if (index + attempt) % 2 else tenant_only
+        run_id = new_run_id()
+        admission = store.acquire(slots, f"{prefix}contender-{index}-{attempt}", run_id, f"c{index}", LONG_LEASE)
+        if not admission.granted:
+            with gauge.get_lock():
+                gauge[_REFUSED] += 1
+            continue
+        # Counted after admission and uncounted before release, the gauge never exceeds
+        # the true number of holders: a peak above the limit is over-admission.
+        with gauge.get_lock():
+            gauge[_GRANTED] += 1
+            gauge[_TENANT_NOW] += 1
+            gauge[_TENANT_PEAK] = max(gauge[_TENANT_PEAK], gauge[_TENANT_NOW])
+            if global_slot in slots:
+                gauge[_GLOBAL_NOW] += 1
+                gauge[_GLOBAL_PEAK] = max(gauge[_GLOBAL_PEAK], gauge[_GLOBAL_NOW])
+        time.sleep(0.005 + 0.002 * (attempt % 4))  # the task body: long enough to overlap under load
+        with gauge.get_lock():
+            gauge[_TENANT_NOW] -= 1
+            if global_slot in slots:
+                gauge[_GLOBAL_NOW] -= 1
+        released = store.release(run_id)
+        assert released == len(slots), f"run {run_id} released {released} leases, took {len(slots)}"
+
+
+def test_contenders_looping_never_exceed_the_limit(
+    store: SlotStore, store_kind: StoreKind, contenders: Contenders, prefix: str
+) -> None:
+    attempts = CONTENTION_ATTEMPTS[store_kind.id]
+
+    # When 16 contenders loop acquire/release on a limit-4 tenant slot, half of them
+    # also taking a limit-3 global slot
+    contenders.run(_contend, prefix, attempts)
+
+    # Then at no moment did more than the limit hold either slot
+    gauge = contenders.shared
+    assert gauge[_TENANT_PEAK] <= TENANT_LIMIT, f"tenant slot peaked at {gauge[_TENANT_PEAK]}"
+    assert gauge[_GLOBAL_PEAK] <= GLOBAL_LIMIT, f"global slot peaked at {gauge[_GLOBAL_PEAK]}"
+    # and the slots were really contended: full at times, and filled to their limit
+    assert gauge[_GRANTED] + gauge[_REFUSED] == CONTENDERS * attempts
+    assert gauge[_REFUSED] > 0
+    assert gauge[_TENANT_PEAK] == TENANT_LIMIT
+    # and nothing is left behind
+    tenant, global_slot = f"{prefix}tenant:a", f"{prefix}global"
+    assert own_leases(store, prefix) == []
+    assert own_status(store, prefix) == {
+        tenant: SlotStatus(tenant, limit=TENANT_LIMIT, holders=0, expired=0),
+        global_slot: SlotStatus(global_slot, limit=GLOBAL_LIMIT, holders=0, expired=0),
+    }
+
+
+# =====================================================================================
+# Operator tooling: lease details, pruning retired keys, the optional history.
+# (Added with `celery caps`; every store of the table implements these.)
+# =====================================================================================
+
+
+def test_leases_carry_the_task_name_and_their_age(store: SlotStore, prefix: str) -> None:
+    slot = f"{prefix}provider"
+    named = run_id = new_run_id()
+    assert store.acquire({slot: 3}, f"{prefix}named", run_id, HOLDER, LONG_LEASE, task_name="proj.send_email")
+    unnamed = admit(store, {slot: 3}, f"{prefix}unnamed")
+
+    by_run = {lease.run_id: lease for lease in store.leases(slot)}
+    assert by_run[named].task_name == "proj.send_email"
+    assert by_run[unnamed].task_name is None
+    for lease in by_run.values():
+        assert lease.age is not None and -0.5 < lease.age < 10.0
+    assert {lease.run_id: lease.task_name for lease in own_leases(store, prefix)} == {
+        named: "proj.send_email",
+        unnamed: None,
+    }
+    # Released, the details go with the lease; admitted again, the run has its new name.
+    store.release(named)
+    assert store.acquire({slot: 3}, f"{prefix}named", named, HOLDER, LONG_LEASE, task_name="proj.other")
+    assert {lease.task_name for lease in store.leases(slot) if lease.run_id == named} == {"proj.other"}
+
+
+def test_prune_deletes_only_idle_slots_under_the_prefix(store: SlotStore, prefix: str) -> None:
+    cap = f"{prefix}tenant"
+    held, idle, lapsed = f"{cap}:held", f"{cap}:idle", f"{cap}:lapsed"
+    unkeyed, lookalike = cap, f"{prefix}tenants:x"
+    # Given keys of one cap that are held, idle, or hold only an expired lease, and neighbours
+    holder_run = admit(store, {held: 2}, f"{prefix}t1")
+    released = admit(store, {idle: 2}, f"{prefix}t2")
+    store.release(released)
+    expired = admit(store, {lapsed: 2}, f"{prefix}t3", lease_seconds=SHORT_LEASE)
+    admit(store, {unkeyed: 2}, f"{prefix}t4")
+    store.release(admit(store, {lookalike: 2}, f"{prefix}t5"))
+    wait_until_expired(store, [expired])
+
+    # When pruning is tried, then done, for the cap's keys
+    assert store.prune(f"{cap}:", dry_run=True) == [idle, lapsed]
+    assert set(own_status(store, prefix)) == {held, idle, lapsed, unkeyed, lookalike}
+    assert store.prune(f"{cap}:") == [idle, lapsed]
+
+    # Then only idle keys of that cap are gone, with their expired leases
+    assert set(own_status(store, prefix)) == {held, unkeyed, lookalike}
+    assert [lease.run_id for lease in own_leases(store, prefix) if lease.slot == held] == [holder_run]
+    assert store.leases(lapsed) == []
+    assert store.prune(f"{cap}:") == []
+    # and a pruned key is admitted again as if new, its sentinel back
+    admit(store, {idle: 1}, f"{prefix}t6")
+    assert own_status(store, prefix)[idle] == SlotStatus(idle, limit=1, holders=1, expired=0)
+
+
+def test_prune_treats_like_wildcards_in_names_literally(store: SlotStore, prefix: str) -> None:
+    literal, wildcard_match, other = f"{prefix}a%_b:k", f"{prefix}aXYb:k", f"{prefix}a%_bc:k"
+    for number, slot in enumerate((literal, wildcard_match, other)):
+        store.release(admit(store, {slot: 1}, f"{prefix}t{number}"))
+
+    assert store.prune(f"{prefix}a%_b:") == [literal]
+    assert set(own_status(store, prefix)) == {wildcard_match, other}
+
+
+def test_prune_racing_admissions_never_hides_a_held_slot(
+    store: SlotStore, store_target: StoreTarget, store_kind: StoreKind, prefix: str
+) -> None:
+    # Given a thread that admits into and releases keys of a cap, over and over, and a
+    # thread that prunes the cap's keys at the same time (each with its own store)
+    cap = f"{prefix}race"
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def own_store() -> SlotStore:
+        return store if store_kind.id == "memory" else store_target.open()
+
+    def admit_and_check() -> None:
+        mine = own_store()
+        try:
+            for number in range(40):
+                slot = f"{cap}:{number % 3}"
+                run_id = admit(mine, {slot: 1}, f"{prefix}admit-{number}")
+                # Then a held slot is always listed: pruning never removed its sentinel
+                if slot not in own_status(mine, prefix):
+                    errors.append(f"{slot} is held but not listed")
+                mine.release(run_id)
+        except Exception:
+            errors.append(traceback.format_exc())
+        finally:
+            stop.set()
+            if mine is not store:
+                mine.close()
+
+    def prune_until_stopped() -> None:
+        mine = own_store()
+        try:
+            while not stop.is_set():
+                mine.prune(f"{cap}:")
+        except Exception:
+            errors.append(traceback.format_exc())
+        finally:
+            if mine is not store:
+                mine.close()
+
+    threads = [threading.Thread(target=admit_and_check), threading.Thread(target=prune_until_stopped)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors[0]
+    assert own_leases(store, prefix) == []
+
+
+def _event(prefix: str, kind: str, at: float, number: int, **fields: Any) -> HistoryEvent:
+    return HistoryEvent(
+        kind=kind,
+        at=at,
+        task_id=f"{prefix}task-{number}",
+        task_name="proj.import_file",
+        slots=(f"{prefix}provider", f"{prefix}tenant:acme"),
+        holder=HOLDER,
+        **fields,
+    )
+
+
+def test_history_is_recorded_and_read_back_by_time_and_task(store: SlotStore, prefix: str) -> None:
+    start = time.time()
+    deferred = _event(prefix, "deferred", start, 1, full_slots=(f"{prefix}tenant:acme",), deferrals=2)
+    ran = _event(prefix, "ran", start + 2.5, 1, started_at=start + 1.0, deferrals=3)
+    other = _event(prefix, "ran", start + 1.5, 2, started_at=start + 0.5)
+    hostile = HistoryEvent("deferred", start + 3, f"{prefix}ü'\"", None, (f"{prefix}k:'; DROP",), ())
+
+    store.record_history([deferred, ran], keep_seconds=3600, max_events=100_000)
+    store.record_history([other, hostile], keep_seconds=3600, max_events=100_000)
+
+    mine = [event for event in store.history(start - 1) if event.task_id.startswith(prefix)]
+    assert mine == [deferred, other, ran, hostile]
+    assert store.history(start - 1, task_id=f"{prefix}task-1") == [deferred, ran]
+    assert [event for event in store.history(start + 2) if event.task_id.startswith(prefix)] == [ran, hostile]
+    store.record_history([], keep_seconds=3600, max_events=100_000)
+
+
+def test_history_stays_within_its_age_and_size(store: SlotStore, store_kind: StoreKind, prefix: str) -> None:
+    if store_kind.shared:
+        pytest.skip("trimming is store-wide: it would trim other test runs' history on a shared server")
+    start = time.time()
+    old = [_event(prefix, "ran", start - 100 + number, number) for number in range(3)]
+    store.record_history(old, keep_seconds=3600, max_events=5)
+    assert store.history(0) == old
+
+    # Events older than keep_seconds before the newest go, then the oldest beyond max_events
+    recent = [_event(prefix, "deferred", start + number, 10 + number) for number in range(4)]
+    store.record_history(recent, keep_seconds=50, max_events=5)
+    assert store.history(0) == recent
+    newer = [_event(prefix, "ran", start + 10 + number, 20 + number) for number in range(3)]
+    store.record_history(newer, keep_seconds=50, max_events=5)
+    assert store.history(0) == [*recent[2:], *newer]
+
+
+@pytest.mark.sqlite
+@pytest.mark.parametrize("create_schema", [True, False], ids=["upgraded", "left-alone"])
+def test_a_table_from_before_lease_details_keeps_working(tmp_path: Any, create_schema: bool) -> None:
+    import sqlalchemy as sa
+
+    from celery_caps.stores.base import store_from_url
+
+    # Given a concurrency_slots table as the first release created it (no task_name, acquired_at)
+    url = f"sqlite:///{tmp_path}/old.db"
+    engine = sa.create_engine(url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            "CREATE TABLE concurrency_slots (run_id VARCHAR(64) NOT NULL, slot VARCHAR(251) NOT NULL, "
+            "task_id VARCHAR(255) DEFAULT '' NOT NULL, holder VARCHAR(255) DEFAULT '' NOT NULL, "
+            "expires_at FLOAT, slot_limit INTEGER, PRIMARY KEY (run_id, slot))"
+        )
+    engine.dispose()
+    store = store_from_url(url, create_schema=create_schema)
+    try:
+        # When a worker of this version admits a named task
+        run_id = new_run_id()
+        assert store.acquire({"provider": 1}, "t1", run_id, HOLDER, LONG_LEASE, task_name="proj.task").granted
+        [lease] = store.leases()
+        # Then the table was upgraded and shows the details, or left alone and still works
+        if create_schema:
+            assert (lease.task_name, lease.age is not None) == ("proj.task", True)
+        else:
+            assert (lease.task_name, lease.age) == (None, None)
+        assert not store.acquire({"provider": 1}, "t2", new_run_id(), HOLDER, LONG_LEASE).granted
+        assert store.release(run_id) == 1
+    finally:
+        store.close()
+
+
+# -- park and wake: the waiting list (stores with supports_parking) -----------------
+
+DISPATCH_LEASE = 30.0
+
+
+def parking_store(store: SlotStore) -> SlotStore:
+    if not store.supports_parking:
+        pytest.skip(f"{type(store).__name__} has no waiting list (park falls back to backoff)")
+    return store
+
+
+def park(store: SlotStore, slots: Mapping[str, int], task_id: str, first: float, max_waiters: int = 100) -> str:
+    return store.park(
+        slots, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=f"payload of {task_id}".encode(),
+        first_deferred_at=first, max_waiters=max_waiters, task_name="t.parked",
+    )  # fmt: skip
+
+
+def test_park_admits_when_there_is_room_and_parks_when_full(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    assert park(store, {slot: 1}, f"{prefix}a", 1.0) == PARK_ADMITTED
+    assert park(store, {slot: 1}, f"{prefix}b", 2.0) == PARK_PARKED
+    # A duplicate of a parked task waits once.
+    assert park(store, {slot: 1}, f"{prefix}b", 2.0) == PARK_PARKED
+    assert [(w.task_id, w.position, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}b", 1, False)]
+    assert [lease.task_id for lease in store.leases(slot)] == [f"{prefix}a"]
+
+
+def test_a_task_being_sent_parks_only_when_full_and_never_takes_a_slot(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot, other = f"{prefix}s", f"{prefix}other"
+
+    def park_when_sent(task_id: str) -> str:
+        return store.park(
+            {slot: 1, other: 5}, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=b"message",
+            first_deferred_at=1.0, max_waiters=100, task_name="t.sent", admit=False,
+        )  # fmt: skip
+
+    # With room: nothing is taken, nothing stored (the task goes to the broker)
+    assert park_when_sent(f"{prefix}a") == PARK_ROOM
+    assert store.leases(slot) == [] and store.leases(other) == [] and store.waiters(slot) == []
+    # Full: it waits on every slot it needs, and takes none
+    admit(store, {slot: 1}, f"{prefix}running")
+    assert park_when_sent(f"{prefix}b") == PARK_PARKED
+    assert [(w.slot, w.task_id) for w in store.waiters(slot) + store.waiters(other)] == [
+        (slot, f"{prefix}b"),
+        (other, f"{prefix}b"),
+    ]
+    assert store.leases(other) == []
+
+
+def test_a_release_hands_the_slot_to_the_oldest_waiter_which_claims_it(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    holder_run = admit(store, {slot: 1}, f"{prefix}running")
+    # Given waiters parked out of first-deferral order
+    for task, first in (("late", 30.0), ("early", 10.0), ("middle", 20.0)):
+        assert park(store, {slot: 1}, f"{prefix}{task}", first) == PARK_PARKED
+    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}{t}" for t in ("early", "middle", "late")]
+
+    # When the running task releases
+    deleted, woken = store.release_and_wake(holder_run, DISPATCH_LEASE)
+
+    # Then the oldest waiter gets the slot, under its own task id, and its payload comes back
+    assert deleted == 1
+    [dispatched] = woken
+    assert (dispatched.task_id, dispatched.payload) == (f"{prefix}early", f"payload of {prefix}early".encode())
+    [lease] = store.leases(slot)
+    assert (lease.task_id, lease.run_id) == (f"{prefix}early", dispatched.run_id)
+    assert lease.expires_in <= DISPATCH_LEASE
+    # ... no newcomer can take it in between
+    assert refused_slots(store, {slot: 1}, f"{prefix}newcomer") == {slot}
+    # ... and the arriving task claims it: a full lease, held by its worker, out of the waiting list
+    assert store.claim(f"{prefix}early", dispatched.run_id, "w2@host/9", LONG_LEASE) == 1
+    [lease] = store.leases(slot)
+    assert (lease.holder, lease.run_id) == ("w2@host/9", dispatched.run_id)
+    assert lease.expires_in > DISPATCH_LEASE
+    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}middle", f"{prefix}late"]
+    assert store.renew([dispatched.run_id], LONG_LEASE) == {dispatched.run_id: 1}
+
+
+def test_a_waiter_with_a_full_slot_is_passed_over_not_blocking_the_rest(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    provider, tenant = f"{prefix}provider", f"{prefix}tenant:a"
+    provider_run = admit(store, {provider: 1}, f"{prefix}p")
+    admit(store, {tenant: 1}, f"{prefix}t")
+    # The oldest waiter needs the tenant slot too, which stays full
+    assert park(store, {provider: 1, tenant: 1}, f"{prefix}both", 1.0) == PARK_PARKED
+    assert park(store, {provider: 1}, f"{prefix}provider-only", 2.0) == PARK_PARKED
+
+    _, woken = store.release_and_wake(provider_run, DISPATCH_LEASE)
+
+    assert [w.task_id for w in woken] == [f"{prefix}provider-only"]
+    assert [(w.task_id, w.dispatched) for w in store.waiters(provider)] == [
+        (f"{prefix}both", False),
+        (f"{prefix}provider-only", True),
+    ]
+
+
+def test_no_key_starves_under_a_global_cap_with_uneven_load(store: SlotStore, prefix: str) -> None:
+    # Rule: waiters are served by first-deferral time among those whose every slot has
+    # room; a waiter is passed over only while one of its own slots is full.
+    store = parking_store(store)
+    provider = f"{prefix}provider"
+    load = {"a": 12, "b": 3, "c": 1}  # uneven: key a floods the waiting list first
+    tasks = [(key, number) for key in load for number in range(load[key])]
+    runs = [admit(store, {provider: 2, f"{prefix}tenant:x": 1}, f"{prefix}x{n}") for n in range(1)]
+    runs.append(admit(store, {provider: 2}, f"{prefix}filler"))
+    for order, (key, number) in enumerate(tasks):
+        slots = {provider: 2, f"{prefix}tenant:{key}": 1}
+        assert park(store, slots, f"{prefix}{key}{number}", float(order)) == PARK_PARKED
+    served: list[str] = []
+    running = list(runs)
+    while running:
+        _, woken = store.release_and_wake(running.pop(0), DISPATCH_LEASE)
+        for waiter in woken:
+            assert store.claim(waiter.task_id, waiter.run_id, HOLDER, LONG_LEASE) == 2
+            served.append(waiter.task_id.removeprefix(prefix))
+            running.append(waiter.run_id)
+    # Every task ran; within a key in FIFO order; the quiet keys were served long before key a ended.
+    assert sorted(served) == sorted(f"{key}{number}" for key, number in tasks)
+    for key in load:
+        assert [s for s in served if s[0] == key] == [f"{key}{n}" for n in range(load[key])]
+    # (key a holds one slot of two at a time: the others alternate with it, not wait for it)
+    assert max(served.index("c0"), served.index("b2")) < served.index("a5"), served
+    assert store.waiters() == [] or all(not w.slot.startswith(prefix) for w in store.waiters())
+
+
+def test_an_unclaimed_dispatch_is_dispatched_again_after_it_expires(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    run = admit(store, {slot: 1}, f"{prefix}running")
+    park(store, {slot: 1}, f"{prefix}waiter", 1.0)
+    # Given a releaser that dispatched the waiter and died before publishing it
+    _, [lost] = store.release_and_wake(run, SHORT_LEASE)
+    # (wake is scoped to this test's slot: a shared server may hold other test runs' waiters)
+    assert store.wake(DISPATCH_LEASE, [slot]) == []  # not expired yet: nothing to do
+    wait_until_expired(store, [lost.run_id])
+
+    # When the sweep runs
+    store.sweep()
+    [again] = store.wake(DISPATCH_LEASE, [slot])
+
+    # Then it is dispatched again, with new leases; the old dispatch cannot be claimed
+    assert again.task_id == f"{prefix}waiter" and again.run_id != lost.run_id
+    assert store.claim(f"{prefix}waiter", lost.run_id, HOLDER, LONG_LEASE) == 0
+    assert [lease.run_id for lease in store.leases(slot)] == [again.run_id]
+
+
+def test_waiting_lists_are_bounded_expired_and_drained(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    admit(store, {slot: 1}, f"{prefix}running")
+    assert park(store, {slot: 1}, f"{prefix}w1", 1.0, max_waiters=2) == PARK_PARKED
+    assert park(store, {slot: 1}, f"{prefix}w2", 5.0, max_waiters=2) == PARK_PARKED
+    assert park(store, {slot: 1}, f"{prefix}w3", 6.0, max_waiters=2) == PARK_LIST_FULL
+    [expired] = store.expire_waiters(2.0, LONG_LEASE)
+    assert (expired.task_id, expired.payload) == (f"{prefix}w1", f"payload of {prefix}w1".encode())
+    assert store.settle_published([expired]) == 1
+    [drained] = store.drain(slot, LONG_LEASE)
+    assert drained.task_id == f"{prefix}w2"
+    assert store.settle_published([drained]) == 1
+    assert store.waiters(slot) == []
+
+
+def test_waiters_leave_the_list_only_once_their_message_is_published(store: SlotStore, prefix: str) -> None:
+    # At least once: expire_waiters and drain mark waiters; only settle_published deletes them.
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    admit(store, {slot: 1}, f"{prefix}running")
+    park(store, {slot: 1}, f"{prefix}old", 1.0)
+    park(store, {slot: 1}, f"{prefix}young", 5.0)
+
+    # Given the oldest waiter taken off the list for publishing (it waited too long)
+    [taken] = store.expire_waiters(2.0, LONG_LEASE)
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
+        (f"{prefix}old", True),
+        (f"{prefix}young", False),
+    ]
+    # ... it is not taken twice, nor dispatched meanwhile
+    assert store.expire_waiters(2.0, LONG_LEASE) == []
+    assert [w.task_id for w in store.drain(slot, LONG_LEASE)] == [f"{prefix}young"]
+
+    # When its publish failed, it waits again at its place
+    assert store.settle_published([], [taken]) == 0
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
+        (f"{prefix}old", False),
+        (f"{prefix}young", True),
+    ]
+
+    # ... and when the publisher died before settling, its mark expires: the sweep's wake puts it
+    # back to waiting, and a late settle of the stale mark deletes nothing
+    [again] = store.expire_waiters(2.0, SHORT_LEASE)
+    assert again.task_id == f"{prefix}old" and again.run_id != taken.run_id
+
+    def old_waits_again() -> bool:
+        assert store.wake(DISPATCH_LEASE, [slot]) == []  # the slot stays full
+        return [(w.task_id, w.dispatched) for w in store.waiters(slot)][:1] == [(f"{prefix}old", False)]
+
+    wait_until(old_waits_again, "the expired mark put the waiter back")
+    assert store.settle_published([again]) == 0
+    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}old", f"{prefix}young"]
+
+
+def test_a_dead_holders_or_a_revoked_tasks_release_hands_the_slot_to_the_next_waiter(
+    store: SlotStore, prefix: str
+) -> None:
+    store = parking_store(store)
+    dead_slot, revoked_slot = f"{prefix}dead", f"{prefix}revoked"
+    admit(store, {dead_slot: 1}, f"{prefix}killed", holder="w1@host-a/7")
+    admit(store, {revoked_slot: 1}, f"{prefix}revoked")
+    park(store, {dead_slot: 1}, f"{prefix}after-killed", 1.0)
+    park(store, {revoked_slot: 1}, f"{prefix}after-revoked", 2.0)
+
+    # When the main process releases a dead pool process's leases, and a revoked task's
+    deleted, woken = store.release_holder_and_wake(f"{prefix}killed", "w1@host-a/7", DISPATCH_LEASE)
+
+    # Then each freed slot goes to its waiter in the same step, as a dispatch lease
+    assert (deleted, [w.task_id for w in woken]) == (1, [f"{prefix}after-killed"])
+    deleted, woken = store.release_task_and_wake(f"{prefix}revoked", DISPATCH_LEASE)
+    assert (deleted, [w.task_id for w in woken]) == (1, [f"{prefix}after-revoked"])
+    assert sorted((lease.slot, lease.task_id, lease.holder) for lease in own_leases(store, prefix)) == [
+        (dead_slot, f"{prefix}after-killed", DISPATCH_HOLDER),
+        (revoked_slot, f"{prefix}after-revoked", DISPATCH_HOLDER),
+    ]
+    # ... and nothing to release wakes nobody
+    assert store.release_holder_and_wake(f"{prefix}killed", "w1@host-a/7", DISPATCH_LEASE) == (0, [])
+
+
+def test_forget_takes_a_revoked_task_off_the_waiting_list_and_frees_its_dispatch(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    for order, task in enumerate(("revoked-waiting", "revoked-dispatched", "next")):
+        assert park(store, {slot: 1}, f"{prefix}{task}", float(order)) == PARK_PARKED
+
+    # A task revoked while it waits leaves the list; nothing is freed
+    assert store.forget(f"{prefix}revoked-waiting", DISPATCH_LEASE) == (1, [])
+    _, [dispatched] = store.release_and_wake(running, DISPATCH_LEASE)
+    assert dispatched.task_id == f"{prefix}revoked-dispatched"
+
+    # A task revoked while its dispatch is on the way: its entry and dispatch lease go, and the
+    # slot goes to the next waiter in the same step
+    removed, woken = store.forget(f"{prefix}revoked-dispatched", DISPATCH_LEASE)
+    assert (removed, [w.task_id for w in woken]) == (1, [f"{prefix}next"])
+    assert [(lease.task_id, lease.holder) for lease in own_leases(store, prefix)] == [
+        (f"{prefix}next", DISPATCH_HOLDER)
+    ]
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}next", True)]
+
+    # ... and it never touches the lease of a run
+    assert store.claim(f"{prefix}next", woken[0].run_id, HOLDER, LONG_LEASE) == 1
+    assert store.forget(f"{prefix}next", DISPATCH_LEASE) == (0, [])
+    assert [(lease.task_id, lease.holder) for lease in own_leases(store, prefix)] == [(f"{prefix}next", HOLDER)]
+
+
+def test_prune_keeps_the_slots_that_parked_tasks_wait_for(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    cap = f"{prefix}tenant"
+    waited, dispatched, idle = f"{cap}:waited", f"{cap}:dispatched", f"{cap}:idle"
+    # Given a slot whose holder's lease expired with a task parked behind it, a slot whose waiter
+    # was dispatched and never claimed its (expired) dispatch lease, and an idle slot
+    expired = [admit(store, {slot: 1}, f"{prefix}{slot}-holder", lease_seconds=SHORT_LEASE) for slot in (waited, idle)]
+    holder = admit(store, {dispatched: 1}, f"{prefix}dispatched-holder")
+    park(store, {waited: 1}, f"{prefix}waiter", 1.0)
+    park(store, {dispatched: 1}, f"{prefix}dispatched", 2.0)
+    _, [lost] = store.release_and_wake(holder, SHORT_LEASE)
+    wait_until_expired(store, [*expired, lost.run_id])
+
+    # When the operator prunes the cap's keys no live lease holds
+    assert store.prune(f"{cap}:", dry_run=True) == [idle]
+    assert store.prune(f"{cap}:") == [idle]
+
+    # Then the slots with parked tasks keep their sentinels, and their waiters are still served
+    assert set(own_status(store, prefix)) == {waited, dispatched}
+    woken = store.wake(DISPATCH_LEASE, [waited, dispatched])
+    assert sorted(w.task_id for w in woken) == [f"{prefix}dispatched", f"{prefix}waiter"]
+
+
+def test_a_release_of_several_slots_serves_the_waiters_of_all_of_them_oldest_first(
+    store: SlotStore, prefix: str
+) -> None:
+    # Rule: the waiting lists of every released slot are served together, by first
+    # deferral; each waiter takes all its slots or none.
+    store = parking_store(store)
+    first_slot, second_slot = f"{prefix}a", f"{prefix}b"
+    both = {first_slot: 1, second_slot: 1}
+    run = admit(store, both, f"{prefix}running")
+    # Given waiters of either slot and of both, parked out of order
+    assert park(store, {first_slot: 1}, f"{prefix}a-only", 2.0) == PARK_PARKED
+    assert park(store, both, f"{prefix}both-late", 3.0) == PARK_PARKED
+    assert park(store, {second_slot: 1}, f"{prefix}b-only", 1.0) == PARK_PARKED
+
+    # When the run holding both slots releases
+    deleted, woken = store.release_and_wake(run, DISPATCH_LEASE)
+
+    # Then the oldest waiter of each list gets its slot, and the newer one needing both waits
+    assert deleted == 2
+    assert [w.task_id for w in woken] == [f"{prefix}b-only", f"{prefix}a-only"]
+    assert {(lease.slot, lease.task_id) for lease in own_leases(store, prefix)} == {
+        (first_slot, f"{prefix}a-only"),
+        (second_slot, f"{prefix}b-only"),
+    }
+    assert [(w.task_id, w.dispatched) for w in store.waiters(first_slot)] == [
+        (f"{prefix}a-only", True),
+        (f"{prefix}both-late", False),
+    ]
+
+    # When both dispatched tasks claim and finish, the waiter of both slots gets both at once
+    for waiter in woken:
+        assert store.claim(waiter.task_id, waiter.run_id, HOLDER, LONG_LEASE) == 1
+    _, first_release = store.release_and_wake(woken[0].run_id, DISPATCH_LEASE)
+    assert first_release == []  # its other slot is still held
+    _, [last] = store.release_and_wake(woken[1].run_id, DISPATCH_LEASE)
+    assert last.task_id == f"{prefix}both-late"
+    assert sorted(lease.slot for lease in store.leases() if lease.run_id == last.run_id) == [first_slot, second_slot]
+    assert store.claim(last.task_id, last.run_id, HOLDER, LONG_LEASE) == 2
+    assert [w for w in store.waiters() if w.slot.startswith(prefix)] == []

@@ -1,0 +1,108 @@
+"""Wake queues: where a woken task is published, and where it goes when it is sent on again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+from kombu.entity import Exchange, Queue
+
+from celery_caps import Cap, CappedTask
+from celery_caps.parking import WAKE_QUEUE_SUFFIX, queue_of_wake_queue, wake_queue_name
+from celery_caps.parking import _queue_of as queue_of
+
+
+@pytest.fixture
+def app() -> Celery:
+    app = Celery("wake-queues", broker="memory://", set_as_current=False)
+    app.conf.caps_url = "memory://"
+    app.conf.task_queues = [Queue("reports", Exchange("jobs", type="topic"), routing_key="jobs.reports")]
+    return app
+
+
+def test_a_wake_queue_is_named_after_its_queue_and_maps_back() -> None:
+    assert wake_queue_name("emails") == "emails" + WAKE_QUEUE_SUFFIX
+    assert wake_queue_name(wake_queue_name("emails")) == wake_queue_name("emails")
+    assert queue_of_wake_queue(wake_queue_name("emails")) == "emails"
+    assert queue_of_wake_queue("emails") == "emails"
+
+
+@pytest.mark.parametrize(
+    ("options", "queue"),
+    [
+        ({"queue": "emails"}, "emails"),
+        ({"queue": Queue("emails")}, "emails"),
+        ({"exchange": "", "routing_key": "emails"}, "emails"),
+        ({"exchange": "jobs", "routing_key": "jobs.reports"}, "reports"),
+        ({"exchange": Exchange("jobs"), "routing_key": "jobs.reports"}, "reports"),
+        ({"exchange": "jobs", "routing_key": "jobs.unknown"}, None),
+        ({}, None),
+    ],
+    ids=repr,
+)
+def test_the_queue_of_a_parked_message_is_found_from_its_route(
+    app: Celery, options: dict[str, Any], queue: str | None
+) -> None:
+    assert queue_of(app, options) == queue
+
+
+def test_a_task_woken_into_a_wake_queue_is_sent_on_to_its_own_queue(app: Celery) -> None:
+    @app.task(base=CappedTask, cap=Cap("provider", 1), bind=True)
+    def work(self: Any) -> None: ...
+
+    woken = {"exchange": wake_queue_name("emails"), "routing_key": wake_queue_name("emails"), "priority": 3}
+    signature = work.signature_from_request(_request(woken), (), {})
+    assert signature.options["queue"] == "emails"
+    assert signature.options["priority"] == 3
+    assert "routing_key" not in signature.options
+
+    plain = work.signature_from_request(_request({"exchange": "", "routing_key": "emails"}), (), {})
+    assert plain.options["queue"] == "emails"
+
+
+def _request(delivery_info: dict[str, Any]) -> Any:
+    from celery.app.task import Context
+
+    return Context(id="t-1", delivery_info=delivery_info, args=(), kwargs={})
+
+
+def test_tasks_sent_to_a_full_cap_are_parked_with_their_group_and_links(app: Celery) -> None:
+    from celery import group
+
+    from celery_caps.parking import decode_payload
+    from celery_caps.worker import runtime_for
+
+    app.conf.caps_strategy = "park"
+
+    @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False)
+    def work(number: int) -> int:
+        return number
+
+    @app.task(shared=False)
+    def after(result: int) -> None: ...
+
+    store = runtime_for(app).store
+    assert store.acquire({"provider": 1}, "running", "run-1", "elsewhere/1", 60).granted
+
+    # When a group of three and a linked task are sent while the cap is full
+    grouped = group(work.s(n) for n in range(3)).apply_async()
+    linked = work.apply_async((7,), link=after.s(), priority=5, headers={"trace": "t-1"})
+
+    # Then all four wait in the store, with what they need to be sent later, exactly
+    waiters = {w.task_id for w in store.waiters("provider")}
+    assert waiters == {r.id for r in grouped.results} | {linked.id}
+    woken = {w.task_id: decode_payload(w.payload) for w in store.drain("provider", 30)}
+    for result in grouped.results:
+        options = woken[result.id]["options"]
+        assert options["group_id"] == grouped.id and options["task_id"] == result.id
+    linked_options = woken[linked.id]["options"]
+    assert woken[linked.id]["args"] == [7]
+    links = linked_options["link"]
+    assert [link["task"] for link in (links if isinstance(links, list) else [links])] == [after.name]
+    assert linked_options["priority"] == 5 and linked_options["headers"]["trace"] == "t-1"
+
+    # ... and with room, a task is sent as usual (nothing stored)
+    store.release("run-1")
+    sent = work.apply_async((8,))
+    assert sent.id not in {w.task_id for w in store.waiters("provider")}
