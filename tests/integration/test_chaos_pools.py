@@ -35,11 +35,15 @@ requeue instead (or, if even that cannot be sent, leaves it unacknowledged for r
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -325,7 +329,17 @@ def _signal_mid_run(fleet: Fleet, worker: Worker, signum: signal.Signals, pool: 
 
 
 def _stacks_of(worker: Worker) -> str:
-    """The stacks of ``worker``'s main-process threads: Celery logs them on SIGUSR1."""
+    """The stacks of ``worker``'s processes (py-spy, as root); else its main process's
+    threads, which Celery logs on SIGUSR1 (pool processes die of SIGUSR1)."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if os.geteuid() == 0 and Path(py_spy).exists():
+        dumps = []
+        for pid in [worker.pid, *worker.children()]:
+            done = subprocess.run(
+                [py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30, check=False
+            )
+            dumps.append(f"--- pid {pid} (py-spy exit {done.returncode}) ---\n{done.stdout}{done.stderr}")
+        return "\n".join(dumps)
     size_before = worker.stderr_path.stat().st_size
     worker.process.send_signal(signal.SIGUSR1)
     time.sleep(2.0)
