@@ -313,7 +313,7 @@ def _signal_mid_run(fleet: Fleet, worker: Worker, signum: signal.Signals, pool: 
 
     A worker still there after ``STALL_SECONDS`` has its processes' stacks printed, and gets
     ``HANG_SECONDS`` more; the test goes on if it exits then (the callers check how long it took).
-    Seen on prefork twice in CI, never in 17 runs here (once SIGTERM: the main process waited in
+    Seen on prefork twice in CI, never in 9 runs here (once SIGTERM: the main process waited in
     the pool's join for a pool process, about 31 s; once SIGQUIT, not exited within 30 s), and on
     gevent after SIGQUIT in 2 of about 12 runs in one session: Celery 5.7 runs its cold shutdown,
     the pool's join included, inside the signal handler (see the README's "Every pool"). A worker
