@@ -44,6 +44,7 @@ DEFAULTS: dict[str, Any] = {
     "caps_park_max_waiters": 10000,
     "caps_park_max_payload_bytes": 65536,
     "caps_park_on_publish": True,  # with park: a task whose slots are full when it is sent waits in the store
+    "caps_admit_on_publish": True,  # with park on publish: a task sent while its slots have room takes them then
 }
 
 
@@ -92,6 +93,7 @@ class ParkingSettings:
     max_waiters: int = 10000
     max_payload_bytes: int = 65536
     on_publish: bool = True
+    admit_on_publish: bool = True
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> ParkingSettings:
@@ -117,6 +119,7 @@ class ParkingSettings:
             _positive_int(conf, "caps_park_max_waiters"),
             _positive_int(conf, "caps_park_max_payload_bytes"),
             _flag(conf, "caps_park_on_publish"),
+            _flag(conf, "caps_admit_on_publish"),
         )
 
     def strategy_for(self, caps: Sequence[Cap]) -> str:

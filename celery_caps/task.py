@@ -23,6 +23,7 @@ import random
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task
@@ -34,6 +35,7 @@ from .errors import CapWaitExceeded, LeaseLost, StoreError
 from .parking import (
     DISPATCH_HEADER,
     REPUBLISHING,
+    dispatch_lease_seconds,
     encode_payload,
     is_wake_queue,
     parking_for,
@@ -41,7 +43,7 @@ from .parking import (
 )
 from .parking import release as release_and_wake
 from .settings import PARK
-from .stores.base import PARK_ADMITTED, PARK_LIST_FULL, PARK_PARKED
+from .stores.base import DISPATCH_HOLDER, PARK_ADMITTED, PARK_LIST_FULL, PARK_PARKED
 from .worker import CapsRuntime, holder_name, runtime_for
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,17 @@ def _republish_headers(request: Any, deferrals: int, first_deferred_at: float) -
     headers[DEFERRALS_HEADER] = deferrals + 1
     headers[FIRST_DEFERRED_HEADER] = first_deferred_at
     return headers
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What admission when sent decided for a task being sent (both None: send it as usual)."""
+
+    task_id: str | None
+    #: The task waits in the store: the result to return instead of sending it.
+    parked: Any = None
+    #: The task took its slots: the run id of its dispatch leases, for its message's header.
+    dispatch_run_id: str | None = None
 
 
 class CappedTask(Task):  # type: ignore[misc]
@@ -261,16 +274,36 @@ class CappedTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """Celery's, except that with the park strategy (and ``caps_park_on_publish``) a task
-        whose slots are full right now goes straight to the waiting list instead of the
-        broker: it is published once, when a release wakes it, not twice."""
+        """Celery's, except for admission when sent, with the park strategy and
+        ``caps_park_on_publish``: a task whose slots are full right now goes straight to the
+        waiting list instead of the broker (it is published once, when a release wakes it,
+        not twice); and, with ``caps_admit_on_publish``, a task whose slots have room takes
+        them now, as a dispatch lease its worker claims on arrival (it travels with its slots,
+        so that the tasks sent after it see them taken and wait in the store)."""
         if self._caps and not REPUBLISHING.get():
-            parked = self._park_when_sent(args, kwargs, task_id, link, link_error, shadow, options)
-            if parked is not None:
-                return parked
+            sent = self._admit_when_sent(args, kwargs, task_id, link, link_error, shadow, options)
+            if sent.parked is not None:
+                return sent.parked
+            if sent.dispatch_run_id is not None:
+                headers = {**(options.get("headers") or {}), DISPATCH_HEADER: sent.dispatch_run_id}
+                options = {**options, "headers": headers}
+                try:
+                    sent_id = sent.task_id
+                    return super().apply_async(args, kwargs, sent_id, producer, link, link_error, shadow, **options)
+                except BaseException:
+                    self._give_back_sent_slots(sent)
+                    raise
         return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
 
-    def _park_when_sent(
+    def _give_back_sent_slots(self, sent: _Sent) -> None:
+        """The task that took its slots when sent was not published: free them for the next waiters."""
+        runtime = runtime_for(self._get_app())
+        try:
+            release_and_wake(runtime, str(sent.dispatch_run_id))
+        except StoreError as exc:  # its dispatch lease expires
+            logger.warning("%s[%s] not sent: its slots were not given back (%s)", self.name, sent.task_id, exc)
+
+    def _admit_when_sent(
         self,
         args: Sequence[Any] | None,
         kwargs: Mapping[str, Any] | None,
@@ -279,26 +312,28 @@ class CappedTask(Task):  # type: ignore[misc]
         link_error: Any,
         shadow: str | None,
         options: dict[str, Any],
-    ) -> Any:
-        """Park the task being sent if its slots are full; its AsyncResult, or None to send it."""
+    ) -> _Sent:
+        """Park the task being sent if its slots are full, or take them if they have room
+        (``caps_admit_on_publish``); the outcome, or an empty one to send the task as usual."""
+        send_as_usual = _Sent(task_id)
         app = self._get_app()
         if app.conf.task_always_eager or options.get("countdown") is not None or options.get("eta") is not None:
-            return None
+            return send_as_usual
         headers = options.get("headers") or {}
         if DISPATCH_HEADER in headers or DEFERRALS_HEADER in headers:
-            return None  # the library's own copies
+            return send_as_usual  # the library's own copies
         try:
             runtime = runtime_for(app)
             parking = runtime.settings.parking
             if not (parking.on_publish and parking.strategy_for(self._caps) == PARK):
-                return None
+                return send_as_usual
             store = runtime.store
             if not store.supports_parking:
-                return None
+                return send_as_usual
             args, kwargs = tuple(args or ()), dict(kwargs or {})
             slots = slots_for(self._caps, args, kwargs)
         except Exception:
-            return None  # no usable caps settings, or a bad key: the worker reports it
+            return send_as_usual  # no usable caps settings, or a bad key: the worker reports it
         task_id = task_id or uuid.uuid4().hex
         first_deferred_at = time.time()
         # The message as it would have been sent: Celery's routing and execution options,
@@ -321,23 +356,31 @@ class CappedTask(Task):  # type: ignore[misc]
             payload = encode_payload(app, self.signature(args, kwargs, sent_options))
         except Exception as exc:  # an option the serializer cannot carry: send it as usual
             logger.debug("%s[%s] sent to the broker: cannot park its message (%s)", self.name, task_id, exc)
-            return None
+            return send_as_usual
         if len(payload) > parking.max_payload_bytes:
-            return None
+            return send_as_usual
+        # Taken when sent, the slots are held like a release's dispatch: by the dispatch
+        # holder, for caps_dispatch_lease_seconds, until the receiving worker claims them.
+        admit = parking.admit_on_publish
+        run_id = uuid.uuid4().hex
         try:
             outcome = store.park(
-                slots, task_id, uuid.uuid4().hex, holder_name(None, None), runtime.settings.lease_seconds,
+                slots, task_id, run_id, DISPATCH_HOLDER if admit else holder_name(None, None),
+                dispatch_lease_seconds(runtime) if admit else runtime.settings.lease_seconds,
                 payload=payload, first_deferred_at=first_deferred_at, max_waiters=parking.max_waiters,
-                task_name=self.name, admit=False,
+                task_name=self.name, admit=admit,
             )  # fmt: skip
         except StoreError as exc:
             logger.warning("%s[%s] sent to the broker: could not check its slots (%s)", self.name, task_id, exc)
-            return None
+            return send_as_usual
+        if outcome == PARK_ADMITTED:
+            logger.debug("%s[%s] took %s when sent", self.name, task_id, ", ".join(slots))
+            return _Sent(task_id, dispatch_run_id=run_id)
         if outcome != PARK_PARKED:
-            return None  # room now (or the waiting list is full): the broker it is
+            return _Sent(task_id)  # room, not taken (or the waiting list is full): the broker it is
         logger.debug("%s[%s] parked when sent: %s full", self.name, task_id, ", ".join(slots))
         runtime.metrics.deferred(list(slots), "parked")
-        return self.AsyncResult(task_id)
+        return _Sent(task_id, parked=self.AsyncResult(task_id))
 
     def signature_from_request(
         self,

@@ -39,6 +39,7 @@ ENV: dict[str, str | None] = {
     "CAPS_FLEET_BACKOFF_MIN": "0.05",
     "CAPS_FLEET_BACKOFF_MAX": "1.0",
     "CAPS_FLEET_MAX_WAIT": None,
+    "CAPS_FLEET_DISPATCH_LEASE": None,  # None: the lease
     "CAPS_FLEET_ON_STORE_ERROR": None,
     "CAPS_FLEET_ON_LEASE_LOST": None,
     "CAPS_FLEET_VISIBILITY_TIMEOUT": None,  # Redis broker only
@@ -218,6 +219,7 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
         "caps_url": "CAPS_FLEET_CAPS_URL",
         "caps_renew_seconds": "CAPS_FLEET_RENEW",
         "caps_max_wait_seconds": "CAPS_FLEET_MAX_WAIT",
+        "caps_dispatch_lease_seconds": "CAPS_FLEET_DISPATCH_LEASE",
         "caps_on_store_error": "CAPS_FLEET_ON_STORE_ERROR",
         "caps_on_lease_lost": "CAPS_FLEET_ON_LEASE_LOST",
     }

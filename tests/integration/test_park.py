@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 from celery.signals import before_task_publish
 
-from celery_caps.parking import WAKE_QUEUE_SUFFIX, sweep_waiters
-from celery_caps.stores.base import SlotStore, store_from_url
+from celery_caps.parking import DISPATCH_HEADER, WAKE_QUEUE_SUFFIX, sweep_waiters
+from celery_caps.stores.base import DISPATCH_HOLDER, SlotStore, store_from_url
 from celery_caps.worker import runtime_for
 from tests.integration.conftest import FleetFactory
 from tests.integration.fleet import Fleet, TcpProxy, mixed_workload, send_workload, wait_for
@@ -174,6 +174,126 @@ def test_tasks_sent_while_their_cap_is_full_wait_in_the_store_and_cost_one_messa
     assert record.peaks[f"one:{scope}"] == 1
     wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
     assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+
+
+def test_a_burst_sent_with_room_takes_its_slots_when_sent_and_costs_one_message_per_task(
+    make_fleet: FleetFactory,
+) -> None:
+    fleet = make_fleet(
+        broker=require_service("redis"),
+        caps_url=require_service("postgres"),
+        provider_limit=PROVIDER_LIMIT,
+        tenant_limit=TENANT_LIMIT,
+        strategy="park",
+    )
+    fleet.start(2, concurrency=CONCURRENCY)
+    both = fleet.app.tasks["fleet.both"]
+    sent_headers: dict[str, dict[str, Any]] = {}
+
+    def count_publish(headers: Any = None, **_: Any) -> None:
+        sent_headers[headers["id"]] = dict(headers)
+
+    # Given an idle fleet and caps with room (provider 4, tenant 2)
+    jobs = mixed_workload(40, seed=20261202)
+
+    # When a burst of tasks for those caps is sent with apply_async
+    before_task_publish.connect(count_publish, weak=False)
+    try:
+        burst = [both.apply_async(args=[job.tenant, 300]).id for job in jobs]
+    finally:
+        before_task_publish.disconnect(count_publish)
+
+    # Then only the tasks that found room went to the broker, each holding its slots as a
+    # dispatch (no more than the global cap), and the rest wait in the store
+    assert 1 <= len(sent_headers) <= PROVIDER_LIMIT, f"{len(sent_headers)} of {len(burst)} sent to the broker"
+    assert all(headers.get(DISPATCH_HEADER) for headers in sent_headers.values()), sent_headers
+    waiting = {w.task_id for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)}
+    assert waiting | set(sent_headers) == set(burst) and not waiting & set(sent_headers)
+
+    # ... every task runs exactly once, the caps hold, and the whole burst cost one broker
+    # message per task: the sent ones were claimed, not contested; the others published once, woken
+    wait_for(
+        lambda: all(fleet.record().done[task_id] for task_id in burst),
+        60,
+        lambda: f"{sum(1 for t in burst if fleet.record().done[t])} of {len(burst)} tasks completed",
+        interval=0.25,
+    )
+    record = fleet.record()
+    assert {t: (record.starts[t], record.done[t]) for t in burst if (record.starts[t], record.done[t]) != (1, 1)} == {}
+    tenants = {f"tenant:{job.tenant}" for job in jobs}
+    assert record.interval_peak("provider", distinct=True) == PROVIDER_LIMIT
+    assert all(record.interval_peak(tenant, distinct=True) <= TENANT_LIMIT for tenant in tenants)
+    publishes = sum(int(v) for v in fleet.recorder.client.hgetall(fleet.recorder.key("publishes")).values())
+    assert len(sent_headers) + publishes == len(burst), f"{len(sent_headers)} sent + {publishes} woken"
+    assert sum(record.received[task_id] for task_id in burst) == len(burst)
+    print(f"\n[park, admitted when sent] {len(sent_headers)} of {len(burst)} sent with their slots, {publishes} woken")
+    wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+
+
+def test_a_task_sent_while_no_worker_runs_holds_its_slot_until_its_dispatch_expires(
+    make_fleet: FleetFactory,
+) -> None:
+    fleet = make_fleet(
+        broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park", dispatch_lease=1
+    )
+    scope = uuid.uuid4().hex[:16]
+    hold = fleet.app.tasks["fleet.hold"]
+
+    # Given no worker running, three tasks for one slot of limit 1 sent with apply_async
+    tasks = [hold.apply_async(args=[scope, 0.2]).id for _ in range(3)]
+
+    # Then the first took the slot as it was sent (held by the dispatch holder, for the
+    # dispatch lease) and the two others wait in the store behind it
+    leases = fleet.leases(fleet.slot(f"one:{scope}"))
+    assert [(lease.task_id, lease.holder) for lease in leases] == [(tasks[0], DISPATCH_HOLDER)]
+    assert 0 < leases[0].expires_in <= 1
+    assert sorted(w.task_id for w in fleet.store.waiters(fleet.slot(f"one:{scope}"))) == sorted(tasks[1:])
+
+    # When its dispatch lease expires before any worker starts, and then a worker starts
+    fleet.wait_for_expiry(10)
+    fleet.start(1, concurrency=2)
+
+    # Then the first task is admitted as usual on arrival, and its release wakes the others
+    # in the order they were sent: each runs once, nothing is left behind
+    wait_for(lambda: all(fleet.record().done[t] for t in tasks), 30, "the tasks did not all run")
+    record = fleet.record()
+    assert [record.starts[t] for t in tasks] == [1, 1, 1]
+    starts = [record.runs_of(t)[0].start for t in tasks]
+    assert starts == sorted(starts), "run out of the order they were sent in"
+    assert record.peaks[f"one:{scope}"] == 1
+    # ... only the expired dispatch is left (its task was admitted under a run of its own),
+    # and the sweep deletes it
+    wait_for(
+        lambda: [(lease.run_id, lease.expires_in < 0) for lease in fleet.leases()] == [(leases[0].run_id, True)],
+        5,
+        lambda: f"leases left: {fleet.leases()}",
+    )
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+    assert fleet.sweep_to_sentinels() == 1
+
+
+def test_a_task_whose_publish_fails_gives_back_the_slots_it_took_when_sent(make_fleet: FleetFactory) -> None:
+    fleet = make_fleet(broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park")
+    scope = uuid.uuid4().hex[:16]
+    # A client whose broker refuses connections (nothing listens on the discard port), without retries
+    client = make_app({**fleet.env, "CAPS_FLEET_BROKER": "redis://127.0.0.1:9/0"}, current=False)
+    client.conf.update(task_publish_retry=False, broker_connection_retry=False, broker_connection_max_retries=0)
+    try:
+        # When a task whose slot has room is sent and its publish fails
+        with pytest.raises(Exception) as raised:
+            client.tasks["fleet.hold"].apply_async(args=[scope, 0.1])
+        # Then the caller sees the error, and the slot it took when sent is free again
+        assert "refused" in str(raised.value).lower() or "connect" in str(raised.value).lower(), raised.value
+        assert fleet.leases(fleet.slot(f"one:{scope}")) == []
+    finally:
+        client.close()
+
+    # ... so the next task sent for it takes the slot and runs
+    fleet.start(1, concurrency=1)
+    task_id = fleet.app.tasks["fleet.hold"].apply_async(args=[scope, 0.1]).id
+    wait_for(lambda: fleet.record().done[task_id] == 1, 30, "the next task never ran")
+    wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
 
 
 # -- releases done for a dead or cut-short run wake the waiters too ------------------------
