@@ -61,6 +61,9 @@ def _parse_extra(text: str) -> dict[str, Any]:
     conf: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         name, _, value = item.partition("=")
+        if value.strip() in ("True", "False"):
+            conf[name.strip()] = value.strip() == "True"
+            continue
         try:
             conf[name.strip()] = float(value) if "." in value or "e" in value else int(value)
         except ValueError:

@@ -364,6 +364,8 @@ class Options:
     #: Stores the worker benchmarks (overhead, utilisation) run on.
     overhead_stores: list[str] = field(default_factory=lambda: ["postgresql", "redis"])
     utilisation_stores: list[str] = field(default_factory=lambda: ["postgresql"])
+    #: Waiting strategies the utilisation part measures (keys of ``utilisation.STRATEGIES``; None: all).
+    utilisation_strategies: list[str] | None = None
     verbose: bool = True
 
     def log(self, text: str) -> None:

@@ -36,6 +36,7 @@ from benchmarks.common import (
     markdown_table,
     new_run_id,
 )
+from benchmarks.utilisation import STRATEGIES as UTILISATION_STRATEGIES
 
 PARTS = {
     "store": store_ops.run,
@@ -46,8 +47,8 @@ PARTS = {
 STORES = ("sqlite", "postgresql", "mariadb", "redis")
 
 
-def _list(text: str, allowed: tuple[str, ...] | list[str], what: str) -> list[str]:
-    values = [value.strip() for value in text.split(",") if value.strip()]
+def _list(text: str, allowed: tuple[str, ...] | list[str], what: str, separator: str = ",") -> list[str]:
+    values = [value.strip() for value in text.split(separator) if value.strip()]
     unknown = sorted(set(values) - set(allowed))
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown {what}: {', '.join(unknown)} (choose from {', '.join(allowed)})")
@@ -77,6 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="stores the worker parts (overhead, utilisation) use (default: postgresql and redis for overhead, "
         "postgresql only with --quick; postgresql for utilisation)",
+    )
+    parser.add_argument(
+        "--strategies",
+        type=lambda text: _list(text, list(UTILISATION_STRATEGIES), "strategy", separator=";"),
+        default=list(UTILISATION_STRATEGIES),
+        help="semicolon-separated waiting strategies the utilisation part measures (default: all): "
+        + "; ".join(UTILISATION_STRATEGIES),
     )
     parser.add_argument(
         "--rounds",
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             run_prefix=new_run_id(),
             tmp_dir=Path(tmp),
             verbose=not args.quiet,
+            utilisation_strategies=args.strategies,
         )
         if args.worker_stores is not None:
             options.overhead_stores = args.worker_stores
@@ -144,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                 "stores": args.stores,
                 "overhead_stores": options.overhead_stores,
                 "utilisation_stores": options.utilisation_stores,
+                "utilisation_strategies": options.utilisation_strategies,
                 "rounds": rounds,
                 "command": " ".join(["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
             }

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -60,6 +61,8 @@ STRATEGIES: dict[str, dict[str, str]] = {
     },
     # Park and wake (celery_caps.parking): a full cap parks the task in the store's waiting list.
     "park": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park"},
+    # Park, with a task that finds room when sent sent without taking its slots (caps_admit_on_publish off).
+    "park without admit on publish": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_admit_on_publish=False"},
 }
 
 
@@ -85,6 +88,8 @@ def run(report: Report, options: Options) -> None:
             report.note(f"utilisation benchmarks skip {store}: {why}")
             continue
         for number, (strategy, strategy_env) in enumerate(STRATEGIES.items()):
+            if options.utilisation_strategies is not None and strategy not in options.utilisation_strategies:
+                continue
             prefix = f"{options.run_prefix}u{store[:2]}{number}-"
             env = dict(ENV)
             env.update(strategy_env)
@@ -163,6 +168,15 @@ def run_trial(fleet: BenchFleet, variant: str, backlog: int, options: Options) -
     return result
 
 
+def _linear_fit(positions: list[float], waits: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ``waits`` against ``positions``, and the fit's R^2 (1.0: a line)."""
+    if len(positions) < 3 or len(set(positions)) < 2:
+        return math.nan, math.nan
+    slope, _intercept = statistics.linear_regression(positions, waits)
+    r = statistics.correlation(positions, waits)
+    return slope, r * r
+
+
 def _peak(runs: list[dict[str, Any]], key: str | None = None) -> int:
     events = []
     for run in runs:
@@ -204,11 +218,14 @@ def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs:
             first_start + (index // GLOBAL_LIMIT) * duration - run["published"] for index, run in enumerate(by_publish)
         ]
         result["peak"] = _peak(runs)
+        positions = [float(index) for index in range(len(by_publish))]
+        waits_by_position = [run["start"] - run["published"] for run in by_publish]
     else:
         per_tenant: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for run in by_publish:
             per_tenant[run["tenant"]].append(run)
         ideal_waits, shares, tenant_waits = [], {}, {}
+        positions, waits_by_position = [], []
         busy = elapsed = 0.0
         for tenant, tenant_runs in per_tenant.items():
             tenant_busy = len(tenant_runs) * duration
@@ -219,6 +236,8 @@ def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs:
             waits_here = [run["start"] - run["published"] for run in tenant_runs]
             ideal_here = [first_start + index * duration - run["published"] for index, run in enumerate(tenant_runs)]
             ideal_waits.extend(ideal_here)
+            positions.extend(float(index) for index in range(len(tenant_runs)))
+            waits_by_position.extend(waits_here)
             tenant_waits[tenant] = {
                 "tasks": len(tenant_runs),
                 "utilisation": shares[tenant],
@@ -239,6 +258,12 @@ def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs:
         result["wait_extra_max"] = max(extra) if extra else math.nan
         result["tenants"] = tenant_waits
         result["peak"] = max(t["peak"] for t in tenant_waits.values())
+    # Wait against backlog position (publish order; per key: within the tenant's backlog):
+    # the slope against the ideal schedule's, and how close to a line the waits lie.
+    slope, r_squared = _linear_fit(positions, waits_by_position)
+    ideal_slope, _ = _linear_fit(positions, ideal_waits)
+    result["wait_slope_ratio"] = slope / ideal_slope if ideal_slope else math.nan
+    result["wait_r_squared"] = r_squared
     result["ideal_wait_p50"] = percentile(ideal_waits, 0.5)
     result["ideal_wait_p99"] = percentile(ideal_waits, 0.99)
     return result
@@ -318,6 +343,22 @@ def report_strategy(
             ratio=median(
                 [a / b for a, b in zip(values(variant, "wait_p99"), values(variant, "ideal_wait_p99"), strict=True)]
             ),
+        )
+        add(
+            variant,
+            "wait vs backlog position: R^2",
+            "wait_r_squared",
+            "ratio",
+            versus="least-squares line of each task's wait against its backlog position; 1.0 = a straight line",
+            ratio=median(values(variant, "wait_r_squared")),
+        )
+        add(
+            variant,
+            "wait vs backlog position: slope / ideal",
+            "wait_slope_ratio",
+            "ratio",
+            versus="the line's slope over the ideal schedule's (1.0 = as ideal; above it: extra wait per position)",
+            ratio=median(values(variant, "wait_slope_ratio")),
         )
         peaks = values(variant, "peak")
         limit = GLOBAL_LIMIT if variant == "global" else 1
