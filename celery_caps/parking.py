@@ -29,10 +29,18 @@ and tries again later.  With *park* (the default):
    dispatched message that arrives after its dispatch expired is admitted like
    any task; two copies of one task id count once against a cap.
 
-Parked when sent.  With ``caps_park_on_publish`` (the default under park),
-``CappedTask.apply_async`` of a task whose slots are full right now parks it at
-once (``park(admit=False)``: the same locks and count, nothing taken when there is
-room) instead of sending it: a waiting task reaches the broker once, when woken.
+Admitted or parked when sent.  With ``caps_park_on_publish`` (the default under
+park), ``CappedTask.apply_async`` of a task whose slots are full right now parks it
+at once instead of sending it: a waiting task reaches the broker once, when woken.
+With ``caps_admit_on_publish`` too (the default), a task whose slots have room takes
+them as it is sent (``park`` admits it under :data:`~celery_caps.stores.base.DISPATCH_HOLDER`
+for ``caps_dispatch_lease_seconds``) and is sent with the dispatch header, so its
+worker claims them like a woken task's: the tasks sent after it see the slots taken
+and wait in the store, so that a burst costs one broker message per task.  A publish
+that fails gives the slots back; a message that arrives after its dispatch expired is
+admitted like any task.  (Without it, ``park(admit=False)`` takes nothing when there
+is room, and the first tasks of a burst all reach the broker before any worker takes a
+slot, most of them to park on arrival: two messages each.)
 
 Fairness.  Waiters are ordered by first-deferral time (then park time).  A
 release dispatches, in that order, every waiter whose slots can *all* be taken
