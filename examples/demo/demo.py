@@ -147,6 +147,8 @@ class Observed:
     starts: int = 0
     ends: int = 0
     header_deferrals: int = 0
+    #: Runs that waited for a slot first (parked when sent or on arrival, or put back).
+    waited: int = 0
     #: task id -> number of completed body runs.
     runs_per_task: Counter[str] = field(default_factory=Counter)
     #: task id -> number of body starts.
@@ -190,6 +192,8 @@ def observe(path: Path, provider_label: str, tenant_label: str) -> Observed:
             observed.ready_workers.add(worker)
         elif kind == "attempt":
             observed.attempts += 1
+        elif kind == "waited":
+            observed.waited += 1
     for at, _order, index in timeline:
         kind, task_id, tenant, _worker, _at, deferrals = rows[index]
         labels = (provider_label, f"{tenant_label}:{tenant}")
@@ -397,7 +401,8 @@ def report(
         failures.append(f"{len(twice)} task(s) ran more than once, e.g. {twice[0]}")
     deferrals = observed.attempts - observed.starts
     print(
-        f"deliveries: {observed.attempts}; put back or parked because a cap was full: {deferrals} "
+        f"runs that waited for a full cap first: {observed.waited} (parked in the store when sent or on "
+        f"arrival, or put back); deliveries: {observed.attempts}; put back or parked on arrival: {deferrals} "
         f"(the caps_deferrals headers of the admitted runs add up to {observed.header_deferrals})"
     )
     if leftover is not None:

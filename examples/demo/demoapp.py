@@ -161,6 +161,9 @@ def call_provider(self: Any, tenant: str, seconds: float) -> None:
     # Admission has happened by now (CappedTask.__call__), and release happens
     # after the body returns: the start..end interval lies inside the lease.
     deferrals = int(getattr(self.request, "caps_deferrals", None) or 0)
+    if getattr(self.request, "caps_first_deferred_at", None) is not None:
+        # It waited for a slot: parked in the store (when sent, or on arrival) or put back.
+        record("waited", self.request.hostname, self.request.id, tenant)
     record("start", self.request.hostname, self.request.id, tenant, deferrals)
     time.sleep(seconds)
     record("end", self.request.hostname, self.request.id, tenant)
