@@ -508,11 +508,10 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
     statuses = {status.slot: status for status in operator.statuses()}
     all_leases = _guard(operator.store.leases)
     # A dispatch lease reserves a woken waiter's slot until it arrives: it does not run yet.
-    held = [
-        lease
-        for lease in all_leases
-        if lease.task_id == task_id and lease.expires_in > 0 and lease.holder != DISPATCH_HOLDER
-    ]
+    live = [lease for lease in all_leases if lease.task_id == task_id and lease.expires_in > 0]
+    held = [lease for lease in live if lease.holder != DISPATCH_HOLDER]
+    # Dispatch leases without a waiting entry: the task took its slots when it was sent.
+    reserved = [lease for lease in live if lease.holder == DISPATCH_HOLDER]
     all_waiters = operator.waiters()
     parked = [waiter for waiter in all_waiters if waiter.task_id == task_id]
     in_line = {waiter.slot: 0 for waiter in parked}
@@ -536,11 +535,15 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
         *(event.task_name for event in reversed(events)),
     ]
     task_name = next((name for name in names if name), (backend or {}).get("name"))
+    if not task_name:
+        task_name = next((lease.task_name for lease in reserved if lease.task_name), None)
     needed: list[str] = []
     if held:
         needed = sorted({lease.slot for lease in held})
     elif parked:
         needed = sorted(in_line)
+    elif reserved:
+        needed = sorted({lease.slot for lease in reserved})
     elif deferred:
         needed = list(deferred[-1].slots)
     elif backend and backend["meta"] and backend["meta"].get("slots"):
@@ -555,6 +558,8 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
         state = "running"
     elif parked:
         state = "dispatched" if any(waiter.dispatched for waiter in parked) else "parked"
+    elif reserved:
+        state = "dispatched"
     elif backend and backend["state"] not in ("DEFERRED", "STARTED", "RECEIVED"):
         state = f"finished ({backend['state']})"
     elif (deferred and (not runs or deferred[-1].at > runs[-1].at)) or (backend and backend["state"] == "DEFERRED"):
@@ -641,8 +646,8 @@ def _print_explanation(report: Mapping[str, Any]) -> None:
                 f"    {entry['slot']}: position {entry['position']} of {entry['waiters']} "
                 f"(in the list for {duration(entry['parked_seconds'])})"
             )
-        if report["state"] == "dispatched":
-            console.print("  dispatched: its slots are reserved for it and its message is on the way")
+    if report["state"] == "dispatched":
+        console.print("  dispatched: its slots are reserved for it and its message is on the way")
     if report["deferrals"]:
         first = report["first_deferred_at"]
         waited = f", first at {_clock(first)} ({duration(now - first)} ago)" if first else ""

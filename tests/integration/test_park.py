@@ -273,6 +273,35 @@ def test_a_task_sent_while_no_worker_runs_holds_its_slot_until_its_dispatch_expi
     assert fleet.sweep_to_sentinels() == 1
 
 
+def test_a_task_that_took_its_slot_when_sent_and_expired_hands_it_to_the_next_waiter(
+    make_fleet: FleetFactory,
+) -> None:
+    # Long leases and no sweep: the waiter runs soon only if the discarded task's slot is
+    # handed on when the worker discards it.
+    fleet = make_fleet(broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park", lease=60)
+    scope = uuid.uuid4().hex[:16]
+    hold = fleet.app.tasks["fleet.hold"]
+
+    # Given no worker running, a task sent with a short expiry (it takes the slot of limit 1
+    # as it is sent) and a second task parked behind it
+    expiring = hold.apply_async(args=[scope, 0.1], expires=1.0).id
+    waiter = hold.apply_async(args=[scope, 0.1]).id
+    assert [lease.task_id for lease in fleet.leases(fleet.slot(f"one:{scope}"))] == [expiring]
+    assert [w.task_id for w in fleet.store.waiters(fleet.slot(f"one:{scope}"))] == [waiter]
+
+    # When a worker starts after the expiry and discards the expired message
+    time.sleep(1.5)
+    fleet.start(1, concurrency=2)
+
+    # Then the expired task never runs, and its slot went to the waiter at once (its
+    # dispatch lease would have held it for a minute)
+    wait_for(lambda: fleet.record().done[waiter] == 1, 30, "the waiter never ran")
+    record = fleet.record()
+    assert record.starts[expiring] == 0
+    wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+
+
 def test_a_task_whose_publish_fails_gives_back_the_slots_it_took_when_sent(make_fleet: FleetFactory) -> None:
     fleet = make_fleet(broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park")
     scope = uuid.uuid4().hex[:16]

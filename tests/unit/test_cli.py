@@ -26,7 +26,7 @@ from click.testing import CliRunner, Result
 from celery_caps import Cap, CappedTask
 from celery_caps.cli import caps, duration, parse_duration
 from celery_caps.parking import encode_payload
-from celery_caps.stores.base import PARK_PARKED, HistoryEvent, SlotStore
+from celery_caps.stores.base import DISPATCH_HOLDER, PARK_PARKED, HistoryEvent, SlotStore
 from tests.services import own_status
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -257,6 +257,28 @@ def test_explain_a_running_and_a_finished_task(app: Celery, busy: dict[str, Any]
     assert sorted(lease["slot"] for lease in report["holds"]) == [f"{prefix}provider", f"{prefix}tenant:acme"]
     report = json.loads(run(app, "explain", f"{prefix}task-done", "--json").output)
     assert report["state"] == "ran" and report["runs"][0]["holder"] == "w1@host-a/4242"
+
+
+def test_explain_a_task_sent_with_room_says_its_slots_are_reserved_for_it(
+    app: Celery, store: SlotStore, prefix: str
+) -> None:
+    parking_store(store)
+    # Given a task sent (to the in-memory broker) while its caps have room: it takes its
+    # slots as it is sent, held by the dispatch holder until a worker claims them
+    sent = app.tasks[f"{prefix}import_file"].apply_async(("acme", "a.csv"))
+    reserved = [lease for lease in store.leases() if lease.task_id == sent.id]
+    assert sorted((lease.slot, lease.holder) for lease in reserved) == [
+        (f"{prefix}provider", DISPATCH_HOLDER),
+        (f"{prefix}tenant:acme", DISPATCH_HOLDER),
+    ]
+
+    # Then explain says it is dispatched, on which slots, and that it runs nowhere yet
+    report = json.loads(run(app, "explain", sent.id, "--json").output)
+    assert (report["state"], report["task_name"], report["holds"]) == ("dispatched", f"{prefix}import_file", [])
+    assert sorted(slot["slot"] for slot in report["slots"]) == [f"{prefix}provider", f"{prefix}tenant:acme"]
+    text = run(app, "explain", sent.id).output
+    assert f"task {sent.id} ({prefix}import_file): dispatched" in text
+    assert "its slots are reserved for it and its message is on the way" in text
 
 
 def test_explain_an_unknown_task_says_so_and_fails(app: Celery, prefix: str) -> None:
