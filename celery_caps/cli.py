@@ -532,11 +532,10 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
     names = [
         *(lease.task_name for lease in held),
         *(waiter.task_name for waiter in parked),
+        *(lease.task_name for lease in reserved),
         *(event.task_name for event in reversed(events)),
     ]
     task_name = next((name for name in names if name), (backend or {}).get("name"))
-    if not task_name:
-        task_name = next((lease.task_name for lease in reserved if lease.task_name), None)
     needed: list[str] = []
     if held:
         needed = sorted({lease.slot for lease in held})

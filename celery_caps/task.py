@@ -287,9 +287,9 @@ class CappedTask(Task):  # type: ignore[misc]
             if sent.dispatch_run_id is not None:
                 headers = {**(options.get("headers") or {}), DISPATCH_HEADER: sent.dispatch_run_id}
                 options = {**options, "headers": headers}
+                task_id = sent.task_id  # the id the slots were taken for
                 try:
-                    sent_id = sent.task_id
-                    return super().apply_async(args, kwargs, sent_id, producer, link, link_error, shadow, **options)
+                    return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
                 except BaseException:
                     self._give_back_sent_slots(sent)
                     raise
@@ -359,16 +359,15 @@ class CappedTask(Task):  # type: ignore[misc]
             return send_as_usual
         if len(payload) > parking.max_payload_bytes:
             return send_as_usual
-        # Taken when sent, the slots are held like a release's dispatch: by the dispatch
-        # holder, for caps_dispatch_lease_seconds, until the receiving worker claims them.
-        admit = parking.admit_on_publish
+        # Taken when sent (caps_admit_on_publish), the slots are held like a release's dispatch:
+        # by the dispatch holder, for caps_dispatch_lease_seconds, until the receiving worker
+        # claims them.  Without admit, park takes nothing and the holder is never written.
         run_id = uuid.uuid4().hex
         try:
             outcome = store.park(
-                slots, task_id, run_id, DISPATCH_HOLDER if admit else holder_name(None, None),
-                dispatch_lease_seconds(runtime) if admit else runtime.settings.lease_seconds,
+                slots, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds(runtime),
                 payload=payload, first_deferred_at=first_deferred_at, max_waiters=parking.max_waiters,
-                task_name=self.name, admit=admit,
+                task_name=self.name, admit=parking.admit_on_publish,
             )  # fmt: skip
         except StoreError as exc:
             logger.warning("%s[%s] sent to the broker: could not check its slots (%s)", self.name, task_id, exc)

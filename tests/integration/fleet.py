@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -440,6 +440,15 @@ class Fleet:
         """This fleet's leases (live or expired), of one slot name if given."""
         leases = self.store.leases(slot)
         return [lease for lease in leases if lease.slot.startswith(self.prefix)]
+
+    def wait_all_done(self, task_ids: Collection[str], timeout: float, interval: float = 0.25) -> None:
+        """Wait until every task of ``task_ids`` completed at least once; the failure says how many did."""
+        wait_for(
+            lambda: all(self.record().done[task_id] for task_id in task_ids),
+            timeout,
+            lambda: f"{sum(1 for t in task_ids if self.record().done[t])} of {len(task_ids)} tasks completed",
+            interval=interval,
+        )
 
     def wait_for_expiry(self, timeout: float) -> None:
         """Wait until no lease of this fleet is live (each expired or released)."""

@@ -131,12 +131,7 @@ def test_skewed_clocks_neither_stretch_nor_shorten_leases_nor_admit_extra(make_f
     assert samples > 20
 
     # ... every task completes exactly once
-    wait_for(
-        lambda: all(fleet.record().done[t] for t in every_id),
-        120,
-        lambda: f"{sum(1 for t in every_id if fleet.record().done[t])} of {len(every_id)} done",
-        interval=0.5,
-    )
+    fleet.wait_all_done(every_id, 120, interval=0.5)
     record = fleet.record()
     assert {t: record.done[t] for t in every_id if record.done[t] != 1} == {}
 

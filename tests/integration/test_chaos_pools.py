@@ -139,12 +139,7 @@ def test_caps_hold_across_a_fleet_of_each_pool(make_fleet: FleetFactory, pool: s
     sent = send_workload(fleet, jobs)
 
     # Then every task completes, exactly once
-    wait_for(
-        lambda: all(fleet.record().done[task_id] for task_id in sent),
-        90,
-        lambda: f"{sum(1 for t in sent if fleet.record().done[t])} of {len(sent)} tasks completed",
-        interval=0.25,
-    )
+    fleet.wait_all_done(sent, 90)
     run_seconds = time.monotonic() - started
     record = fleet.record()
     assert {t: (record.starts[t], record.done[t]) for t in sent if (record.starts[t], record.done[t]) != (1, 1)} == {}

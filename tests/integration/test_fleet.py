@@ -64,12 +64,7 @@ def test_caps_hold_across_a_fleet(make_fleet: FleetFactory, tmp_path: Path, stor
     sent = send_workload(fleet, jobs)
 
     # Then every task completes
-    wait_for(
-        lambda: all(fleet.record().done[task_id] for task_id in sent),
-        75,
-        lambda: f"{sum(1 for t in sent if fleet.record().done[t])} of {len(sent)} tasks completed",
-        interval=0.25,
-    )
+    fleet.wait_all_done(sent, 75)
     run_seconds = time.monotonic() - started
     record = fleet.record()
 

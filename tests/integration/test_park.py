@@ -63,12 +63,7 @@ def test_parked_tasks_are_woken_once_each_and_caps_hold(make_fleet: FleetFactory
     sent = send_workload(fleet, jobs)
 
     # Then every task completes, exactly once
-    wait_for(
-        lambda: all(fleet.record().done[task_id] for task_id in sent),
-        120,
-        lambda: f"{sum(1 for t in sent if fleet.record().done[t])} of {len(sent)} tasks completed",
-        interval=0.25,
-    )
+    fleet.wait_all_done(sent, 120)
     run_seconds = time.monotonic() - started
     record = fleet.record()
     assert {t: (record.starts[t], record.done[t]) for t in sent if (record.starts[t], record.done[t]) != (1, 1)} == {}
@@ -212,12 +207,7 @@ def test_a_burst_sent_with_room_takes_its_slots_when_sent_and_costs_one_message_
 
     # ... every task runs exactly once, the caps hold, and the whole burst cost one broker
     # message per task: the sent ones were claimed, not contested; the others published once, woken
-    wait_for(
-        lambda: all(fleet.record().done[task_id] for task_id in burst),
-        60,
-        lambda: f"{sum(1 for t in burst if fleet.record().done[t])} of {len(burst)} tasks completed",
-        interval=0.25,
-    )
+    fleet.wait_all_done(burst, 60)
     record = fleet.record()
     assert {t: (record.starts[t], record.done[t]) for t in burst if (record.starts[t], record.done[t]) != (1, 1)} == {}
     tenants = {f"tenant:{job.tenant}" for job in jobs}
@@ -561,12 +551,7 @@ def test_releasers_killed_mid_dispatch_lose_nothing_and_the_caps_hold(
         sent = send_workload(fleet, mixed_workload(120, seed=4242))
 
         # Then every task completes
-        wait_for(
-            lambda: all(fleet.record().done[task_id] for task_id in sent),
-            120,
-            lambda: f"{sum(1 for t in sent if fleet.record().done[t])} of {len(sent)} tasks completed",
-            interval=0.25,
-        )
+        fleet.wait_all_done(sent, 120)
     finally:
         sweeping.set()
         beat_thread.join(timeout=10)
