@@ -155,7 +155,15 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
         request = task.request
         published = float(_header(request, PUBLISHED_HEADER) or 0.0)
         deferrals = int(_header(request, "caps_deferrals") or 0)
-        line = f"{request.id} {tenant} {published:.6f} {start:.6f} {end:.6f} {deferrals} {os.getpid()}"
+        # How the run got its slots: a standby copy signalled by a release, a dispatched
+        # message (woken, or admitted when sent), or admission on arrival.
+        if _header(request, "caps_standby_mark"):
+            via = "standby"
+        elif _header(request, "caps_dispatch_run_id"):
+            via = "dispatch"
+        else:
+            via = "admission"
+        line = f"{request.id} {tenant} {published:.6f} {start:.6f} {end:.6f} {deferrals} {os.getpid()} {via}"
         side.client.rpush(keys["runs"], line)
 
     @app.task(name="bench.global", base=CappedTask, cap=global_cap, bind=True, shared=False)

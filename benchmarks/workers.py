@@ -242,7 +242,7 @@ class BenchFleet:
     def runs(self) -> list[dict[str, Any]]:
         runs = []
         for raw in self.redis.lrange(self.keys["runs"], 0, -1):
-            task_id, tenant, published, start, end, deferrals, pid = raw.decode().split(" ")
+            task_id, tenant, published, start, end, deferrals, pid, via = raw.decode().split(" ")
             runs.append(
                 {
                     "task_id": task_id,
@@ -252,6 +252,7 @@ class BenchFleet:
                     "end": float(end),
                     "deferrals": int(deferrals),
                     "pid": int(pid),
+                    "via": via,
                 }
             )
         return runs

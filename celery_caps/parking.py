@@ -64,6 +64,23 @@ without slots (past the maximum wait, or drained by an operator) is first
 (``settle_published``); a failed publish puts it back at its place, a publisher
 that dies leaves a mark that expires like a dispatch.
 
+Standby.  A hand-over through the broker costs a publish, the broker, the worker's main
+process and a claim between two tasks (milliseconds each, an idle slot meanwhile).  On a
+store that can signal (PostgreSQL's NOTIFY), a release that woke waiters also puts the
+next waiters of its slots *on standby* (``SlotStore.stand_by``: ``caps_standby_per_slot``
+per slot name, at most the slot's limit, ``caps_standby_max`` in all) and publishes a copy
+of each with a ``caps_standby_mark`` header, to the wake queue.  A pool process that
+receives one waits there (``SlotStore.await_standby``, up to ``caps_standby_seconds``).  A
+release that dispatches a waiter on standby signals it in the dispatch's own transaction
+and publishes nothing: the waiting process claims the dispatch and runs at once.  The
+order is the same (a standby waiter is dispatched when its turn comes, like any other);
+only the way its message travels changes.  A standby that times out ends in one step
+against the release (either it ends, and its copy is dropped while the waiter waits on in
+the list, or a release took it first and it runs); a standby process that dies leaves its
+dispatch to the sweep, like a releaser killed before publishing.  Standbys are only taken
+by a release whose run lasted under half of ``caps_standby_seconds``: for long tasks the
+hand-over is no cost worth a blocked pool process.
+
 Choosing.  ``caps_strategy`` is ``"park"`` (default) or ``"backoff"``, or a mapping
 ``{"default": ..., "<cap name>": ...}`` choosing per cap; a task parks when any of
 its caps chooses ``park``.  Every built-in store has a waiting list; a store
@@ -92,6 +109,8 @@ logger = logging.getLogger(__name__)
 
 #: The header of a dispatched message: the run id of its dispatch leases.
 DISPATCH_HEADER = "caps_dispatch_run_id"
+#: The header of a standby copy: the mark of its standby (``SlotStore.stand_by``).
+STANDBY_HEADER = "caps_standby_mark"
 #: A release publishes the tasks it woke to ``<their queue>`` + this suffix: a queue that
 #: every worker consuming ``<their queue>`` consumes too (:class:`~celery_caps.worker.CapsWakeQueues`),
 #: so that a woken task does not wait behind the backlog of its own queue.
@@ -194,12 +213,21 @@ def _queue_of(app: Celery, options: Mapping[str, Any]) -> str | None:
 
 
 def publish_woken(
-    app: Celery, woken: Sequence[Woken], *, dispatched: bool = True, to_wake_queue: bool = True
+    app: Celery,
+    woken: Sequence[Woken],
+    *,
+    dispatched: bool = True,
+    to_wake_queue: bool = True,
+    standby: bool = False,
 ) -> list[Woken]:
-    """Publish each woken waiter's message again; returns those published.
+    """Publish each woken waiter's message again; returns those published (and, dispatched,
+    those signalled to their standby process instead).
 
     ``dispatched``: the waiters hold dispatch leases, and their messages carry the
-    run id to claim them (else ordinary messages, re-entering admission).
+    run id to claim them (else ordinary messages, re-entering admission).  A
+    dispatched waiter whose standby was signalled (``Woken.standby``) is not published.
+    ``standby``: standby copies (``SlotStore.stand_by``), carrying their mark, to the
+    wake queue.
     ``to_wake_queue``: a dispatched message goes to the wake queue of its queue, so
     that it overtakes that queue's backlog (its own lease is already taken: the slot
     waits for it).  The sweep passes False: a
@@ -218,17 +246,20 @@ def publish_woken(
     republishing = REPUBLISHING.set(True)
     try:
         for waiter in woken:
+            if dispatched and waiter.standby:
+                published.append(waiter)  # its standby process claims it
+                continue
             try:
                 signature = app.signature(decode_payload(waiter.payload))
                 headers = dict(signature.options.get("headers") or {})
+                headers.pop(DISPATCH_HEADER, None)
+                headers.pop(STANDBY_HEADER, None)
                 route: dict[str, Any] = {}
-                if dispatched:
-                    headers[DISPATCH_HEADER] = waiter.run_id
+                if dispatched or standby:
+                    headers[STANDBY_HEADER if standby else DISPATCH_HEADER] = waiter.run_id
                     queue = _queue_of(app, signature.options) if to_wake_queue else None
                     if queue is not None:
                         route = {"queue": wake_queue(wake_queue_name(queue)), "exchange": None, "routing_key": None}
-                else:
-                    headers.pop(DISPATCH_HEADER, None)
                 signature.apply_async(headers=headers, add_to_parent=False, **route)
                 published.append(waiter)
             except Exception as exc:
@@ -273,9 +304,11 @@ def parks(runtime: CapsContext) -> bool:
     return parking_for(runtime).uses_park and runtime.store.supports_parking
 
 
-def release(runtime: CapsContext, run_id: str) -> int:
+def release(runtime: CapsContext, run_id: str, slots: Sequence[str] = (), ran_seconds: float | None = None) -> int:
     """Release ``run_id``; with park in use, hand its room to waiters and publish them.
 
+    With the run's ``slots`` and how long it ran, a release that woke waiters also puts the
+    next waiters of those slots on standby (see the module docstring).
     Returns the leases deleted.  Raises :class:`StoreError` like ``SlotStore.release``.
     """
     store = runtime.store
@@ -283,7 +316,50 @@ def release(runtime: CapsContext, run_id: str) -> int:
         return store.release(run_id)
     deleted, woken = store.release_and_wake(run_id, dispatch_lease_seconds(runtime))
     publish_woken(runtime.app, woken)
+    if woken and slots and ran_seconds is not None:
+        stand_by(runtime, slots, ran_seconds)
     return deleted
+
+
+def stand_by(runtime: CapsContext, slots: Sequence[str], ran_seconds: float) -> list[Woken]:
+    """Put the next waiters of ``slots`` on standby and publish their copies, when the store
+    can and a run of ``ran_seconds`` is short enough for it to pay; returns those published.
+    A failure is logged: the waiters are dispatched through the broker instead."""
+    parking = parking_for(runtime)
+    if not parking.uses_standby or ran_seconds >= parking.standby_seconds / 2 or not runtime.store.supports_standby:
+        return []
+    # The copy waits up to standby_seconds after it arrives; the record outlives it.
+    hold_seconds = parking.standby_seconds * 2 + 5
+    try:
+        standbys = runtime.store.stand_by(slots, parking.standby_per_slot, parking.standby_max, hold_seconds)
+    except StoreError as exc:
+        logger.warning("could not put waiters on standby (%s); they are published when woken", exc)
+        return []
+    published = publish_woken(runtime.app, standbys, dispatched=False, standby=True)
+    for waiter in standbys:
+        if waiter not in published:
+            end_standby(runtime, waiter.task_id, waiter.run_id, waiter.payload)
+    return published
+
+
+def end_standby(runtime: CapsContext, task_id: str, mark: str, payload: bytes | None = None) -> None:
+    """End a standby whose copy will never wait for it (its publish failed, its process died).
+
+    If a release took it already, its dispatch is published with ``payload``; without one,
+    the dispatch is released for the next waiters instead (the task keeps its place, and the
+    sweep dispatches it again once its dispatch lease expires).  Logged on failure (the sweep
+    dispatches it again then, too).
+    """
+    try:
+        dispatch = runtime.store.await_standby(task_id, mark, 0)
+        if dispatch is None:
+            return
+        if payload is not None:
+            publish_woken(runtime.app, [Woken(task_id, dispatch.run_id, payload)])
+        else:
+            release(runtime, dispatch.run_id)
+    except StoreError as exc:
+        logger.warning("could not end the standby of task %s (%s)", task_id, exc)
 
 
 def release_holder(runtime: CapsContext, task_id: str, holder: str) -> int:

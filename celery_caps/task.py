@@ -35,6 +35,7 @@ from .errors import CapWaitExceeded, LeaseLost, StoreError
 from .parking import (
     DISPATCH_HEADER,
     REPUBLISHING,
+    STANDBY_HEADER,
     dispatch_lease_seconds,
     encode_payload,
     is_wake_queue,
@@ -43,7 +44,7 @@ from .parking import (
 )
 from .parking import release as release_and_wake
 from .settings import PARK
-from .stores.base import DISPATCH_HOLDER, PARK_ADMITTED, PARK_LIST_FULL, PARK_PARKED
+from .stores.base import DISPATCH_HOLDER, PARK_ADMITTED, PARK_LIST_FULL, PARK_PARKED, StandbyDispatch
 from .worker import CapsRuntime, holder_name, runtime_for
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def _republish_headers(request: Any, deferrals: int, first_deferred_at: float) -
     headers = {
         key: value
         for key, value in (getattr(request, "headers", None) or {}).items()
-        if key not in _CELERY_HEADER_FIELDS and key != DISPATCH_HEADER
+        if key not in _CELERY_HEADER_FIELDS and key not in (DISPATCH_HEADER, STANDBY_HEADER)
     }
     headers[DEFERRALS_HEADER] = deferrals + 1
     headers[FIRST_DEFERRED_HEADER] = first_deferred_at
@@ -320,7 +321,7 @@ class CappedTask(Task):  # type: ignore[misc]
         if app.conf.task_always_eager or options.get("countdown") is not None or options.get("eta") is not None:
             return send_as_usual
         headers = options.get("headers") or {}
-        if DISPATCH_HEADER in headers or DEFERRALS_HEADER in headers:
+        if DISPATCH_HEADER in headers or DEFERRALS_HEADER in headers or STANDBY_HEADER in headers:
             return send_as_usual  # the library's own copies
         try:
             runtime = runtime_for(app)
@@ -410,9 +411,16 @@ class CappedTask(Task):  # type: ignore[misc]
     ) -> str | None:
         """The run id holding ``slots``; or put the task back and raise ``Ignore``."""
         deferrals = int(_header(request, DEFERRALS_HEADER) or 0)
+        standby_mark = _header(request, STANDBY_HEADER)
+        dispatch_run_id = _header(request, DISPATCH_HEADER)
+        if standby_mark:
+            dispatch = self._await_standby(runtime, request, str(standby_mark), holder)
+            if dispatch.claimed:
+                return self._take_handed_over(runtime, request, dispatch.run_id, slots, holder, deferrals)
+            dispatch_run_id = dispatch.run_id
         park = parking_for(runtime).strategy_for(self._caps) == PARK and runtime.store.supports_parking
-        if park:
-            claimed = self._claim_dispatch(runtime, request, slots, holder, deferrals)
+        if dispatch_run_id and (park or standby_mark):
+            claimed = self._claim_dispatch(runtime, request, str(dispatch_run_id), slots, holder, deferrals)
             if claimed is not None:
                 runtime.metrics.admitted(slots, _seconds_since_first_deferral(request))
                 return claimed
@@ -436,13 +444,62 @@ class CappedTask(Task):  # type: ignore[misc]
 
     # -- park and wake (caps_strategy = "park"; see celery_caps.parking) ------------------
 
+    def _await_standby(self, runtime: CapsRuntime, request: Any, mark: str, holder: str) -> StandbyDispatch:
+        """A standby copy: wait for a release to dispatch this waiter; or end this copy with
+        ``Ignore`` (the waiter waits on in the store's list).
+
+        The wait is ``caps_standby_seconds``, or half the task's time limit if that is shorter
+        (a copy killed by its time limit would leave its dispatch to the sweep).
+        """
+        wait = parking_for(runtime).standby_seconds
+        for limit in getattr(request, "timelimit", None) or ():
+            if limit:
+                wait = min(wait, float(limit) / 2)
+        store = runtime.store
+        try:
+            dispatch = (
+                store.await_standby(request.id, mark, wait, holder, runtime.settings.lease_seconds)
+                if store.supports_standby
+                else None
+            )
+        except StoreError as exc:
+            logger.warning("%s[%s]: standby ended by a store error (%s)", self.name, request.id, exc)
+            dispatch = None
+        if dispatch is None:
+            logger.debug("%s[%s]: standby ended; the task waits on in the store", self.name, request.id)
+            raise Ignore()
+        return dispatch
+
+    def _take_handed_over(
+        self,
+        runtime: CapsRuntime,
+        request: Any,
+        run_id: str,
+        slots: Mapping[str, int],
+        holder: str,
+        deferrals: int,
+    ) -> str:
+        """A release handed this standby its leases claimed: run now, and take the task off the
+        waiting list meanwhile (``claim``, in the background; should this process die first,
+        the sweep dispatches the task again once its dispatch expires: at least once)."""
+        runtime.hold(run_id, request.id, slots, holder, self.name, deferrals)
+        runtime.metrics.admitted(slots, _seconds_since_first_deferral(request))
+        store, task_id, lease_seconds = runtime.store, str(request.id), runtime.settings.lease_seconds
+        runtime.in_background(
+            f"taking {task_id} off the waiting list", lambda: store.claim(task_id, run_id, holder, lease_seconds)
+        )
+        return run_id
+
     def _claim_dispatch(
-        self, runtime: CapsRuntime, request: Any, slots: Mapping[str, int], holder: str, deferrals: int
+        self,
+        runtime: CapsRuntime,
+        request: Any,
+        dispatch_run_id: str,
+        slots: Mapping[str, int],
+        holder: str,
+        deferrals: int,
     ) -> str | None:
-        """A woken task: claim the dispatch leases its releaser took for it; None if there are none."""
-        dispatch_run_id = _header(request, DISPATCH_HEADER)
-        if not dispatch_run_id:
-            return None
+        """A woken task: claim the dispatch leases its releaser took for it; None if they expired."""
         try:
             claimed = runtime.store.claim(request.id, dispatch_run_id, holder, runtime.settings.lease_seconds)
         except StoreError as exc:

@@ -207,9 +207,12 @@ class CapsRuntime:
             )  # fmt: skip
         self._ensure_keeper()
 
-    def _release_run(self, run_id: str) -> int:
-        """The store release of one run (leases deleted); with the park strategy it also wakes waiters."""
-        return parking.release(self, run_id)
+    def _release_run(self, run_id: str, run: HeldRun | None = None) -> int:
+        """The store release of one run (leases deleted); with the park strategy it also wakes
+        waiters, and given the run, puts the next ones on standby."""
+        if run is None:
+            return parking.release(self, run_id)
+        return parking.release(self, run_id, run.slots, time.time() - run.started_at)
 
     def deferred(
         self,
@@ -247,7 +250,7 @@ class CapsRuntime:
                 )
             )  # fmt: skip
         try:
-            self._release_run(run_id)
+            self._release_run(run_id, run)
         except StoreError as exc:
             logger.warning(
                 "could not release run %s (%s); retrying in the background (its leases expire within %.0f s)",
@@ -503,6 +506,14 @@ def _release_dead_run(request: Request, reason: str) -> None:
     runtime.in_background(
         f"releasing {task_id} after {reason}", lambda: parking.release_holder(runtime, task_id, holder)
     )
+    mark = request._request_dict.get(parking.STANDBY_HEADER)
+    if mark:
+        # A standby copy: nobody waits for its signal any more.
+        def end_standby() -> int:
+            parking.end_standby(runtime, task_id, str(mark))
+            return 0
+
+        runtime.in_background(f"ending the standby of {task_id} after {reason}", end_standby)
 
 
 class CappedRequest(Request):  # type: ignore[misc]

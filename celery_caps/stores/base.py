@@ -74,6 +74,27 @@ freed slots directly to the oldest waiters.  The atomic steps:
     Waiters leave the list without slots (waited too long, an operator drains a
     cap) at least once: they are marked (a dispatch without leases), published,
     and only then deleted; a mark that is not settled expires like a dispatch.
+
+Standby (optional, for a store that parks)
+------------------------------------------
+A store that sets :attr:`SlotStore.supports_standby` can also signal a dispatch to a
+worker process that waits for it, instead of the releaser publishing the message:
+
+``stand_by``
+    Put the oldest waiters of some slots *on standby* (a record under a fresh mark,
+    for ``hold_seconds``), within a bound per slot and in all; return their payloads.
+    The caller publishes a copy of each, which a pool process holds while it waits.
+    The waiter keeps its place and its entries: it is dispatched like any other.
+``release_and_wake`` and the other dispatching steps
+    A woken waiter whose standby is live is *taken* in the same transaction (the
+    dispatch run id written to its standby record) and signalled once it commits;
+    it comes back with ``Woken.standby`` set, and the caller does not publish it.
+``await_standby``
+    The waiting process: it records its holder and lease length in its standby
+    (a release from then on creates the leases in its name, claimed), then waits
+    for the signal until ``timeout`` and returns the dispatch.  On timeout the standby ends, in
+    one step against the release: either it ends (None: the copy is dropped, the
+    waiter waits on in the list) or a release took it first (its run id).
 """
 
 from __future__ import annotations
@@ -162,6 +183,19 @@ class Woken:
     run_id: str
     payload: bytes
     task_name: str | None = None
+    #: A dispatch signalled to the waiter's standby process (``await_standby``): not to publish.
+    standby: bool = False
+
+
+@dataclass(frozen=True)
+class StandbyDispatch:
+    """What :meth:`SlotStore.await_standby` returns once a release took the standby."""
+
+    #: The run id of the waiter's leases.
+    run_id: str
+    #: True: the release handed the leases over claimed (the waiting process's holder, a full
+    #: lease, the task out of the waiting list).  False: a dispatch lease, to claim as usual.
+    claimed: bool
 
 
 @dataclass(frozen=True)
@@ -383,6 +417,34 @@ class SlotStore(abc.ABC):
     def waiters(self, slot: str | None = None) -> list[Waiter]:
         """The waiting list (of one slot name, if given), by slot then position."""
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
+
+    # -- standby (optional; see the module docstring) -----------------------------
+
+    #: Whether this store can signal dispatches to waiting processes (``stand_by`` and below).
+    supports_standby = False
+
+    def stand_by(self, slots: Collection[str], per_slot: int, max_total: int, hold_seconds: float) -> list[Woken]:
+        """Put waiters of ``slots`` on standby and return them (``run_id``: the standby's mark).
+
+        For each slot name, its oldest waiting (not dispatched, not marked) waiters are put
+        on standby until ``min(per_slot, the slot's limit)`` of its waiters are; never more
+        than ``max_total`` standbys in the whole store.  A standby lasts ``hold_seconds``
+        by the store's clock.  The bounds are counts, not locks: two calls at once may go
+        over a slot's bound by one call's worth.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support standby")
+
+    def await_standby(
+        self, task_id: str, mark: str, timeout: float, holder: str | None = None, lease_seconds: float | None = None
+    ) -> StandbyDispatch | None:
+        """Wait up to ``timeout`` seconds for a release to dispatch ``task_id``'s standby ``mark``.
+
+        With ``holder`` (and its ``lease_seconds``), the waiting process says it waits: a
+        release from then on hands it the leases claimed.  Returns the dispatch, or None once
+        the standby has ended (timed out, or it is no longer this mark's: expired, or the task
+        left the list).  ``timeout=0`` without a holder ends a standby nobody will wait for.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support standby")
 
     def after_fork(self) -> None:
         """Called in a child process after fork; drop connections inherited from the parent."""

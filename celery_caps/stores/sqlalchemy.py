@@ -37,6 +37,7 @@ worker processes on one machine serialise their writes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -65,6 +66,7 @@ from .base import (
     Lease,
     SlotStatus,
     SlotStore,
+    StandbyDispatch,
     Waiter,
     Woken,
     green_threads,
@@ -151,6 +153,19 @@ concurrency_waiters = sa.Table(
     sa.Column("dispatch_expires_at", sa.Double(), nullable=True, comment="store-clock epoch seconds"),
     sa.Index("ix_concurrency_waiters_task_id", "task_id"),
     sa.Index("ix_concurrency_waiters_order", "slot", "first_deferred_at", "parked_at"),
+)
+
+STANDBY_TABLE_NAME = "concurrency_standby"
+
+concurrency_standby = sa.Table(
+    STANDBY_TABLE_NAME,
+    metadata,
+    sa.Column("task_id", _exact_text(MAX_TASK_ID_LENGTH), primary_key=True),
+    sa.Column("mark", sa.String(64), nullable=False, comment="the standby copy's mark"),
+    sa.Column("expires_at", sa.Double(), nullable=False, comment="store-clock epoch seconds"),
+    sa.Column("dispatch_run_id", sa.String(64), nullable=True, comment="set by the release that took it"),
+    sa.Column("holder", sa.String(255), nullable=True, comment="the waiting process, once it waits"),
+    sa.Column("lease_seconds", sa.Double(), nullable=True, comment="the waiting process's lease length"),
 )
 
 # The store's clock, in seconds since the epoch, per dialect.  Never the worker's.
@@ -321,14 +336,26 @@ _WAITING_BATCH = 64
 # deadlock) those of the other slots their waiters need; walk the waiters of the locked slots
 # in their order (first deferral, park time, task id), streaming, and dispatch each whose
 # every slot is locked and has room; stop once every slot seen is full.  Every statement
-# takes a fresh READ COMMITTED snapshot, so counts run after the locks are granted.  One row
-# per woken waiter (o_task_id NULL when none), each with the number of leases deleted.
-POSTGRESQL_RELEASE_AND_WAKE_FUNCTION = "concurrency_slots_release_and_wake_v1"
+# takes a fresh READ COMMITTED snapshot, so counts run after the locks are granted.  A woken
+# waiter on standby is taken (its standby record gets the dispatch run id) and signalled with
+# NOTIFY, delivered when the transaction commits.  One row per woken waiter (o_task_id NULL
+# when none), each with the number of leases deleted.  v1 (no standby) stays for workers of
+# older versions; this version creates and calls v2.
+#: The NOTIFY channel of a task's standby: a fixed-length name from its task id (PostgreSQL
+#: identifiers are at most 63 bytes).  :func:`standby_channel` is the same in Python.
+STANDBY_CHANNEL_SQL = "'caps_standby_' || md5(v_task)"
+POSTGRESQL_RELEASE_AND_WAKE_FUNCTION = "concurrency_slots_release_and_wake_v2"
 POSTGRESQL_RELEASE_AND_WAKE_FUNCTION_DDL = f"""
 CREATE FUNCTION {POSTGRESQL_RELEASE_AND_WAKE_FUNCTION}(p_run_id text, p_dispatch_lease_seconds double precision)
-RETURNS TABLE (o_deleted integer, o_task_id text, o_run_id text, o_payload bytea, o_task_name text)
-LANGUAGE plpgsql VOLATILE AS $$
+RETURNS TABLE (
+    o_deleted integer, o_task_id text, o_run_id text, o_payload bytea, o_task_name text, o_standby boolean
+) LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
+    v_mark text;
+    v_holder text;
+    v_lease double precision;
+    v_full text[] := '{{}}';
+    v_found_full text[];
     v_released text[];
     v_waited text[];
     v_locked text[];
@@ -381,27 +408,58 @@ BEGIN
         IF v_task IS NOT NULL AND f_task IS DISTINCT FROM v_task THEN
             -- Waiter v_task is complete: dispatch it if all its slots are locked here and
             -- each has room (or is held by it already); a waiter passed over keeps its place.
-            IF cardinality(v_slots) = v_count AND NOT EXISTS (
-                SELECT 1 FROM unnest(v_slots, v_limits) AS u(slot, slot_limit)
+            -- v_full: slots found full in this walk (only dispatches add leases while their
+            -- sentinels are locked), so a waiter needing one is passed over without a count.
+            IF cardinality(v_slots) = v_count AND NOT (v_slots && v_full) THEN
+                SELECT coalesce(array_agg(u.slot), '{{}}') INTO v_found_full
+                FROM unnest(v_slots, v_limits) AS u(slot, slot_limit)
                 WHERE NOT EXISTS (
                         SELECT 1 FROM concurrency_slots c
                         WHERE c.slot = u.slot AND c.task_id = v_task AND c.expires_at > v_now)
                   AND (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
-                       WHERE c.slot = u.slot AND c.expires_at > v_now) >= u.slot_limit)
-            THEN
+                       WHERE c.slot = u.slot AND c.expires_at > v_now) >= u.slot_limit;
+                v_full := v_full || v_found_full;
+            END IF;
+            IF cardinality(v_slots) = v_count AND NOT (v_slots && v_full) THEN
                 o_task_id := v_task;
                 o_run_id := md5(random()::text || clock_timestamp()::text || v_task);
                 o_task_name := v_name;
+                -- A waiter on standby is taken for this dispatch; if its process waits already
+                -- (its holder is in the record), the leases are its own at once, claimed.
+                UPDATE concurrency_standby s SET dispatch_run_id = o_run_id
+                WHERE s.task_id = v_task AND s.dispatch_run_id IS NULL AND s.expires_at > v_now
+                RETURNING s.mark, s.holder, s.lease_seconds INTO v_mark, v_holder, v_lease;
+                o_standby := FOUND;
+                IF NOT o_standby THEN
+                    v_holder := NULL;
+                END IF;
                 INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
-                SELECT o_run_id, u.slot, v_task, '{DISPATCH_HOLDER}', v_now + p_dispatch_lease_seconds, v_name, v_now
+                SELECT o_run_id, u.slot, v_task, coalesce(v_holder, '{DISPATCH_HOLDER}'),
+                    v_now + coalesce(v_lease, p_dispatch_lease_seconds), v_name, v_now
                 FROM unnest(v_slots) AS u(slot);
+                SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = v_task LIMIT 1;
+                -- (Claimed or not, the waiter leaves the list only when its process claims:
+                -- until then the sweep can dispatch it again if that process dies.)
                 UPDATE concurrency_waiters w SET dispatch_run_id = o_run_id,
                     dispatch_expires_at = v_now + p_dispatch_lease_seconds
                 WHERE w.task_id = v_task;
-                SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = v_task LIMIT 1;
+                IF o_standby THEN
+                    PERFORM pg_notify(
+                        {STANDBY_CHANNEL_SQL},
+                        v_mark || ' ' || o_run_id || CASE WHEN v_holder IS NULL THEN ' dispatched' ELSE ' claimed' END);
+                END IF;
                 v_any := true;
                 RETURN NEXT;
+                -- The slots this dispatch filled.
+                SELECT v_full || coalesce(array_agg(u.slot), '{{}}') INTO v_full
+                FROM unnest(v_slots, v_limits) AS u(slot, slot_limit)
+                WHERE (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
+                       WHERE c.slot = u.slot AND c.expires_at > v_now) >= u.slot_limit;
             END IF;
+            -- Stop once every released slot is known full: the room this release freed is
+            -- handed out (other slots gain room only by their own releases, or by expiry,
+            -- which the sweep's wake serves).
+            EXIT WHEN v_released <@ v_full;
             -- Every waiter_batch rows (as the generic path reads them), stop once every slot
             -- seen so far is full.
             IF v_read >= v_check_at THEN
@@ -434,12 +492,13 @@ BEGIN
         o_run_id := NULL;
         o_payload := NULL;
         o_task_name := NULL;
+        o_standby := NULL;
         RETURN NEXT;
     END IF;
 END $$
 """
 _CALL_RELEASE_AND_WAKE_FUNCTION_DRIVER = (
-    "SELECT o_deleted, o_task_id, o_run_id, o_payload, o_task_name "
+    "SELECT o_deleted, o_task_id, o_run_id, o_payload, o_task_name, o_standby "
     f"FROM {POSTGRESQL_RELEASE_AND_WAKE_FUNCTION}(%(run_id)s, %(dispatch_lease_seconds)s)"
 )
 _CALL_ACQUIRE_FUNCTION = (
@@ -552,6 +611,49 @@ _WAITERS_LIST = (
     "FROM concurrency_waiters {slot_filter} ORDER BY slot, first_deferred_at, parked_at, task_id"
 )
 
+# -- standby (PostgreSQL): waiters whose copy a pool process holds, signalled by NOTIFY ----
+# Take a dispatched waiter's live standby and signal it (delivered when the transaction commits).
+# (This path keeps the dispatch lease, which the standby process claims: no holder in the record.)
+_TAKE_STANDBY = (
+    "WITH taken AS (UPDATE concurrency_standby SET dispatch_run_id = :run_id, holder = NULL "
+    "WHERE task_id = :task_id AND dispatch_run_id IS NULL AND expires_at > {now} RETURNING mark) "
+    "SELECT pg_notify(:channel, taken.mark || ' ' || :run_id || ' dispatched') FROM taken"
+)
+_DELETE_EXPIRED_STANDBY = "DELETE FROM concurrency_standby WHERE expires_at <= {now}"
+_LIVE_STANDBY_COUNT = "SELECT count(*) FROM concurrency_standby WHERE dispatch_run_id IS NULL"
+# The head of a slot's waiting list, each waiter with its live standby's mark (or NULL).
+_STANDBY_HEAD = (
+    "SELECT w.task_id, w.slot_limit, w.task_name, s.mark FROM concurrency_waiters w "
+    "LEFT JOIN concurrency_standby s ON s.task_id = w.task_id AND s.dispatch_run_id IS NULL "
+    "WHERE w.slot = :slot AND w.dispatch_run_id IS NULL "
+    "ORDER BY w.first_deferred_at, w.parked_at, w.task_id LIMIT :scan"
+)
+# Taken or expired records of waiters put on standby again.
+_CLEAR_STANDBY = "DELETE FROM concurrency_standby WHERE task_id IN :task_ids"
+# (Standby is PostgreSQL's only: ON CONFLICT skips a waiter another release just put on standby.)
+_INSERT_STANDBY = (
+    "INSERT INTO concurrency_standby (task_id, mark, expires_at) VALUES (:task_id, :mark, {now} + :hold_seconds) "
+    "ON CONFLICT (task_id) DO NOTHING RETURNING task_id"
+)
+# The waiting process's side, on its own thread's driver connection (psycopg's style).
+_STANDBY_RECORD_DRIVER = "SELECT mark, dispatch_run_id, holder FROM concurrency_standby WHERE task_id = %(task_id)s"
+# The process waits: a release that takes the standby from now on hands it its leases claimed.
+_REGISTER_STANDBY_DRIVER = (
+    "UPDATE concurrency_standby SET holder = %(holder)s, lease_seconds = %(lease_seconds)s "
+    "WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
+)
+_END_STANDBY_DRIVER = (
+    "DELETE FROM concurrency_standby WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
+)
+#: Waiting rows of a slot read when choosing standbys, beyond the bound itself.
+_STANDBY_SCAN_EXTRA = 16
+
+
+def standby_channel(task_id: str) -> str:
+    """The NOTIFY channel of ``task_id``'s standby (as ``STANDBY_CHANNEL_SQL`` computes it)."""
+    return "caps_standby_" + hashlib.md5(task_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 # A store that vanishes without closing its connections (a partition, a dead host)
 # must turn into a StoreError, not a pool process blocked for ever: bounded connects,
 # TCP keepalives and, on PostgreSQL, a bound on unacknowledged sends (milliseconds).
@@ -638,6 +740,30 @@ class _DriverConnections:
             self._drop(fairy)
             raise
 
+    def listening(self, channel: str, work: Callable[[Any], _T]) -> _T:
+        """``work(psycopg connection)`` while this thread's connection listens to ``channel``.
+
+        Raises the driver's error after invalidating the connection.
+        """
+        from psycopg import sql
+
+        if os.getpid() != self._pid:
+            self._forget_inherited()
+        fairy: Any = getattr(self._local, "connection", None)
+        if fairy is None:
+            self.execute("SELECT 1", {})
+            fairy = self._local.connection
+        connection = fairy.driver_connection
+        try:
+            connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            try:
+                return work(connection)
+            finally:
+                connection.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
+        except self._error:
+            self._drop(fairy)
+            raise
+
     def _drop(self, fairy: Any) -> None:
         self._local.connection = None
         with self._lock:
@@ -711,6 +837,8 @@ class SQLAlchemyStore(SlotStore):
         self._use_acquire_function = False
         self._use_release_function = False
         self._use_release_and_wake_function = False
+        # Whether concurrency_standby is there (PostgreSQL only); known after _prepare.
+        self._standby_table = False
         self._driver: _DriverConnections | None = None
         # Whether the table has the lease detail columns; known after _prepare.
         self._lease_details = True
@@ -773,6 +901,12 @@ class SQLAlchemyStore(SlotStore):
             "delete_dispatch_leases": _DELETE_DISPATCH_LEASES,
             "waiters_all": _WAITERS_LIST.replace("{slot_filter}", ""),
             "waiters_slot": _WAITERS_LIST.replace("{slot_filter}", "WHERE slot = :slot"),
+            "take_standby": _TAKE_STANDBY,
+            "delete_expired_standby": _DELETE_EXPIRED_STANDBY,
+            "live_standby_count": _LIVE_STANDBY_COUNT,
+            "standby_head": _STANDBY_HEAD,
+            "clear_standby": _CLEAR_STANDBY,
+            "insert_standby": _INSERT_STANDBY,
         }
         statements = {}
         for name, template in templates.items():
@@ -943,6 +1077,7 @@ class SQLAlchemyStore(SlotStore):
             except sa.exc.SQLAlchemyError as exc:
                 raise self._wrap("checking the schema", exc) from exc
             self._use_acquire_function = bool(found) and not missing
+            self._standby_table = self._has_table(STANDBY_TABLE_NAME)
             if not found:
                 logger.info(
                     "%s() is missing (caps_create_schema is off): admitting with a three-statement "
@@ -1417,7 +1552,18 @@ class SQLAlchemyStore(SlotStore):
             statements["payloads"], {"task_ids": [task_id for task_id, _, _ in chosen]}
         ):
             payloads.setdefault(_as_text(task_id), bytes(payload))
-        return [Woken(task_id, run_id, payloads[task_id], task_name) for task_id, run_id, task_name in chosen]
+        standby = {task_id for task_id, run_id, _ in chosen if self._take_standby(connection, task_id, run_id)}
+        return [
+            Woken(task_id, run_id, payloads[task_id], task_name, task_id in standby)
+            for task_id, run_id, task_name in chosen
+        ]
+
+    def _take_standby(self, connection: Connection, task_id: str, run_id: str) -> bool:
+        """Take ``task_id``'s live standby for the dispatch ``run_id`` and signal it (on commit)."""
+        if not self._standby_table:
+            return False
+        params = {"task_id": task_id, "run_id": run_id, "channel": standby_channel(task_id)}
+        return connection.execute(self._parking["take_standby"], params).first() is not None
 
     def _wake_after_release(
         self, connection: Connection, released: list[str], dispatch_lease_seconds: float
@@ -1472,8 +1618,8 @@ class SQLAlchemyStore(SlotStore):
                 {"run_id": run_id, "dispatch_lease_seconds": dispatch_lease_seconds},
             ).fetchall()
             woken = [
-                Woken(str(task_id), str(woken_run_id), bytes(payload), task_name)
-                for _, task_id, woken_run_id, payload, task_name in rows
+                Woken(str(task_id), str(woken_run_id), bytes(payload), task_name, bool(standby))
+                for _, task_id, woken_run_id, payload, task_name, standby in rows
                 if task_id is not None
             ]
             return int(rows[0][0]), woken
@@ -1655,6 +1801,99 @@ class SQLAlchemyStore(SlotStore):
             return result
 
         return self._transaction("waiters", read, single_statement=True)
+
+    @property
+    def supports_standby(self) -> bool:  # type: ignore[override]
+        """PostgreSQL through psycopg (LISTEN/NOTIFY on the hot path's connections), not under
+        green threads, with ``concurrency_standby`` in the schema."""
+        if self.dialect != "postgresql":
+            return False
+        if not self._schema_ready:
+            self._prepare()
+        return self._standby_table and self._driver_connections() is not None
+
+    def stand_by(self, slots: Collection[str], per_slot: int, max_total: int, hold_seconds: float) -> list[Woken]:
+        if not self.supports_standby or per_slot <= 0 or max_total <= 0:
+            return []
+        statements = self._parking
+
+        def stand_by(connection: Connection) -> list[Woken]:
+            connection.execute(statements["delete_expired_standby"])
+            room = max_total - int(connection.execute(statements["live_standby_count"]).scalar_one())
+            chosen: dict[str, str | None] = {}
+            for slot in sorted(set(slots)):
+                if room <= len(chosen):
+                    break
+                head = connection.execute(
+                    statements["standby_head"], {"slot": slot, "scan": per_slot + _STANDBY_SCAN_EXTRA}
+                ).all()
+                if not head:
+                    continue
+                wanted = min(per_slot, int(head[0][1])) - sum(1 for row in head if row[3] is not None)
+                for task_id, _limit, task_name, mark in head:
+                    if wanted <= 0 or room <= len(chosen):
+                        break
+                    if mark is None and _as_text(task_id) not in chosen:
+                        chosen[_as_text(task_id)] = task_name
+                        wanted -= 1
+            if not chosen:
+                return []
+            connection.execute(statements["clear_standby"], {"task_ids": list(chosen)})
+            marks = {}
+            for task_id in chosen:
+                mark = uuid.uuid4().hex
+                params = {"task_id": task_id, "mark": mark, "hold_seconds": hold_seconds}
+                if connection.execute(statements["insert_standby"], params).first() is not None:
+                    marks[task_id] = mark
+            if not marks:
+                return []
+            payloads: dict[str, bytes] = {}
+            for task_id, payload in connection.execute(statements["payloads"], {"task_ids": list(marks)}):
+                payloads.setdefault(_as_text(task_id), bytes(payload))
+            return [Woken(task_id, mark, payloads[task_id], chosen[task_id]) for task_id, mark in marks.items()]
+
+        return self._transaction("stand_by", stand_by)
+
+    def await_standby(
+        self, task_id: str, mark: str, timeout: float, holder: str | None = None, lease_seconds: float | None = None
+    ) -> StandbyDispatch | None:
+        driver = self._driver_connections() if self.supports_standby else None
+        if driver is None:
+            return None
+        channel = standby_channel(task_id)
+        params = {"task_id": task_id, "mark": mark, "holder": holder, "lease_seconds": lease_seconds}
+
+        def record(connection: Any) -> tuple[bool, StandbyDispatch | None]:
+            """Whether the standby record is this mark's, and the dispatch a release took it for."""
+            row = connection.execute(_STANDBY_RECORD_DRIVER, params).fetchone()
+            if row is None or row[0] != mark:
+                return False, None
+            return True, (StandbyDispatch(str(row[1]), claimed=row[2] is not None) if row[1] else None)
+
+        def wait(connection: Any) -> StandbyDispatch | None:
+            if holder is not None and connection.execute(_REGISTER_STANDBY_DRIVER, params).rowcount == 1:
+                waiting = True
+            else:
+                mine, dispatch = record(connection)
+                if not mine or dispatch is not None:
+                    return dispatch
+                waiting = False
+            deadline = time.monotonic() + timeout
+            while waiting and (remaining := deadline - time.monotonic()) > 0:
+                for note in connection.notifies(timeout=remaining, stop_after=1):
+                    note_mark, _, taken = str(note.payload).partition(" ")
+                    run_id, _, how = taken.partition(" ")
+                    if note.channel == channel and note_mark == mark and run_id:
+                        return StandbyDispatch(run_id, claimed=how == "claimed")
+            if connection.execute(_END_STANDBY_DRIVER, params).rowcount == 1:
+                return None
+            # A release took it just before the end: the record says how.
+            return record(connection)[1]
+
+        try:
+            return driver.listening(channel, wait)
+        except Exception as exc:
+            raise StoreError(f"await_standby failed on {self.display_url}: {type(exc).__name__}: {exc}") from exc
 
     def after_fork(self) -> None:
         # Connections inherited from the parent must not be used (nor closed) here.

@@ -33,6 +33,7 @@ from celery_caps.stores.base import (
     Lease,
     SlotStatus,
     SlotStore,
+    StandbyDispatch,
 )
 from tests.services import StoreKind, StoreTarget, own_status
 
@@ -1282,3 +1283,121 @@ def test_a_release_of_several_slots_serves_the_waiters_of_all_of_them_oldest_fir
     assert sorted(lease.slot for lease in store.leases() if lease.run_id == last.run_id) == [first_slot, second_slot]
     assert store.claim(last.task_id, last.run_id, HOLDER, LONG_LEASE) == 2
     assert [w for w in store.waiters() if w.slot.startswith(prefix)] == []
+
+
+# -- standby: a waiter whose copy a pool process holds, signalled by the release --------
+
+
+def standby_store(store: SlotStore) -> SlotStore:
+    if not store.supports_standby:
+        pytest.skip(f"{type(store).__name__} cannot signal a waiting process (waiters are published when woken)")
+    return store
+
+
+def test_stand_by_takes_the_oldest_waiters_within_its_bounds(store: SlotStore, prefix: str) -> None:
+    store = standby_store(store)
+    slot, other = f"{prefix}s", f"{prefix}other"
+    admit(store, {slot: 2}, f"{prefix}r1")
+    admit(store, {slot: 2}, f"{prefix}r2")
+    admit(store, {other: 1}, f"{prefix}r3")
+    for number in range(4):
+        assert park(store, {slot: 2}, f"{prefix}w{number}", float(number)) == PARK_PARKED
+    assert park(store, {other: 1}, f"{prefix}o", 0.5) == PARK_PARKED
+
+    # One per slot: the oldest waiter; asking again takes no more
+    [first] = store.stand_by([slot], 1, 8, 30.0)
+    assert (first.task_id, first.payload) == (f"{prefix}w0", f"payload of {prefix}w0".encode())
+    assert store.stand_by([slot], 1, 8, 30.0) == []
+    # More per slot than its limit: the limit bounds it (2 for this slot)
+    assert [w.task_id for w in store.stand_by([slot], 5, 8, 30.0)] == [f"{prefix}w1"]
+    # The bound in all: two standbys exist, so a bound of 2 takes none for the other slot
+    assert store.stand_by([other], 1, 2, 30.0) == []
+    assert [w.task_id for w in store.stand_by([other], 1, 3, 30.0)] == [f"{prefix}o"]
+    # Standing by changes nothing in the list: same order, nothing dispatched
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
+        (f"{prefix}w{number}", False) for number in range(4)
+    ]
+
+
+def test_a_release_signals_the_waiting_standby_instead_of_handing_it_back_to_publish(
+    store: SlotStore, prefix: str
+) -> None:
+    store = standby_store(store)
+    slot = f"{prefix}s"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    assert park(store, {slot: 1}, f"{prefix}next", 1.0) == PARK_PARKED
+    assert park(store, {slot: 1}, f"{prefix}later", 2.0) == PARK_PARKED
+    [standby] = store.stand_by([slot], 1, 8, 30.0)
+    assert standby.task_id == f"{prefix}next"
+
+    # Given a process waiting for the standby
+    signalled: list[StandbyDispatch | None] = []
+
+    def wait() -> None:
+        signalled.append(store.await_standby(standby.task_id, standby.run_id, 20, "w2@host/9", LONG_LEASE))
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive()
+
+    # When the running task releases
+    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
+
+    # Then the waiter is dispatched in its order, marked as signalled, and the waiting
+    # process gets its leases claimed: its holder, a full lease
+    assert (woken.task_id, woken.standby) == (f"{prefix}next", True)
+    waiting.join(10)
+    assert signalled == [StandbyDispatch(woken.run_id, claimed=True)]
+    [lease] = store.leases(slot)
+    assert (lease.run_id, lease.holder) == (woken.run_id, "w2@host/9")
+    assert lease.expires_in > DISPATCH_LEASE
+    # ... and it stays in the list (dispatched, for the sweep should that process die) until it claims
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
+        (f"{prefix}next", True),
+        (f"{prefix}later", False),
+    ]
+    assert store.claim(woken.task_id, woken.run_id, "w2@host/9", LONG_LEASE) == 1
+    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}later"]
+    # The next release hands over through the broker: "later" has no standby
+    _, [after] = store.release_and_wake(woken.run_id, DISPATCH_LEASE)
+    assert (after.task_id, after.standby) == (f"{prefix}later", False)
+
+
+def test_a_standby_that_times_out_ends_and_its_waiter_keeps_its_place(store: SlotStore, prefix: str) -> None:
+    store = standby_store(store)
+    slot = f"{prefix}s"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    assert park(store, {slot: 1}, f"{prefix}next", 1.0) == PARK_PARKED
+    [standby] = store.stand_by([slot], 1, 8, 30.0)
+
+    assert store.await_standby(standby.task_id, standby.run_id, 0.2, HOLDER, LONG_LEASE) is None
+
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}next", False)]
+    # Its standby is over: the release hands it back to publish
+    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
+    assert (woken.task_id, woken.standby) == (f"{prefix}next", False)
+    # ... and a new standby can be taken for the waiter behind
+    assert park(store, {slot: 1}, f"{prefix}last", 2.0) == PARK_PARKED
+    assert [w.task_id for w in store.stand_by([slot], 1, 8, 30.0)] == [f"{prefix}last"]
+
+
+def test_a_standby_taken_before_its_process_waits_gets_its_dispatch_and_a_stale_copy_gets_none(
+    store: SlotStore, prefix: str
+) -> None:
+    store = standby_store(store)
+    slot = f"{prefix}s"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    assert park(store, {slot: 1}, f"{prefix}next", 1.0) == PARK_PARKED
+    [standby] = store.stand_by([slot], 1, 8, 30.0)
+    # A release through the generic transaction (a revoke) takes it while nobody listens
+    _, [woken] = store.release_task_and_wake(f"{prefix}running", DISPATCH_LEASE)
+    assert woken.standby and running
+
+    # The copy arriving late still learns its dispatch (a dispatch lease, to claim), at once
+    assert store.await_standby(standby.task_id, standby.run_id, 0, HOLDER, LONG_LEASE) == StandbyDispatch(
+        woken.run_id, claimed=False
+    )
+    assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) == 1
+    # A copy with another mark (a standby that was replaced) is not this one's
+    assert store.await_standby(standby.task_id, "another-mark", 0) is None
