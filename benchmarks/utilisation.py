@@ -22,6 +22,8 @@ that select it.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import random
 import statistics
@@ -60,7 +62,7 @@ STRATEGIES: dict[str, dict[str, str]] = {
         "CAPS_BENCH_EXTRA_CONF": "caps_strategy=backoff",
     },
     # Park and wake (celery_caps.parking): a full cap parks the task in the store's waiting list.
-    "park": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park"},
+    "park": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_standby_per_slot=4"},
     # Park, with a task that finds room when sent sent without taking its slots (caps_admit_on_publish off).
     "park without admit on publish": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_admit_on_publish=False"},
 }
@@ -258,6 +260,23 @@ def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs:
         result["wait_extra_max"] = max(extra) if extra else math.nan
         result["tenants"] = tenant_waits
         result["peak"] = max(t["peak"] for t in tenant_waits.values())
+    # Hand-overs: how long a slot stayed empty before each run took it (global: since the
+    # latest end before its start, past the first `limit` runs; per key: since its tenant's
+    # previous run ended), and how many runs got their slot through a standby.
+    if variant == "global":
+        ends = sorted(run["end"] for run in runs)
+        by_start = sorted(runs, key=lambda run: run["start"])[GLOBAL_LIMIT:]
+        gaps = [run["start"] - ends[bisect.bisect_right(ends, run["start"]) - 1] for run in by_start]
+    else:
+        gaps = []
+        for tenant_runs in per_tenant.values():
+            ordered = sorted(tenant_runs, key=lambda run: run["start"])
+            gaps.extend(later["start"] - earlier["end"] for earlier, later in itertools.pairwise(ordered))
+    gaps = [gap for gap in gaps if gap >= 0]
+    result["handover_ms_p50"] = percentile(gaps, 0.5) * 1000 if gaps else math.nan
+    result["handover_ms_p99"] = percentile(gaps, 0.99) * 1000 if gaps else math.nan
+    result["handover_ms_max"] = max(gaps) * 1000 if gaps else math.nan
+    result["via_standby"] = sum(run.get("via") == "standby" for run in runs) / done
     # Wait against backlog position (publish order; per key: within the tenant's backlog):
     # the slope against the ideal schedule's, and how close to a line the waits lie.
     slope, r_squared = _linear_fit(positions, waits_by_position)
@@ -342,6 +361,17 @@ def report_strategy(
             versus=f"publish to start; ideal schedule {median(values(variant, 'ideal_wait_p99')):.2f} s",
             ratio=median(
                 [a / b for a, b in zip(values(variant, "wait_p99"), values(variant, "ideal_wait_p99"), strict=True)]
+            ),
+        )
+        add(
+            variant,
+            "hand-over gap p50",
+            "handover_ms_p50",
+            "ms",
+            versus=(
+                f"a slot empty between two runs; p99 {median(values(variant, 'handover_ms_p99')):.1f} ms, "
+                f"max {median(values(variant, 'handover_ms_max')):.0f} ms; "
+                f"{median(values(variant, 'via_standby')):.0%} of runs handed over through a standby"
             ),
         )
         add(

@@ -424,6 +424,12 @@ BEGIN
                 o_task_id := v_task;
                 o_run_id := md5(random()::text || clock_timestamp()::text || v_task);
                 o_task_name := v_name;
+                -- (Claimed or not, the waiter leaves the list only when its process claims:
+                -- until then the sweep can dispatch it again if that process dies.)  Its rows
+                -- first: a stand_by that holds them has committed its standby by then.
+                UPDATE concurrency_waiters w SET dispatch_run_id = o_run_id,
+                    dispatch_expires_at = v_now + p_dispatch_lease_seconds
+                WHERE w.task_id = v_task;
                 -- A waiter on standby is taken for this dispatch; if its process waits already
                 -- (its holder is in the record), the leases are its own at once, claimed.
                 UPDATE concurrency_standby s SET dispatch_run_id = o_run_id
@@ -432,17 +438,13 @@ BEGIN
                 o_standby := FOUND;
                 IF NOT o_standby THEN
                     v_holder := NULL;
+                    v_lease := NULL;
                 END IF;
                 INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
                 SELECT o_run_id, u.slot, v_task, coalesce(v_holder, '{DISPATCH_HOLDER}'),
                     v_now + coalesce(v_lease, p_dispatch_lease_seconds), v_name, v_now
                 FROM unnest(v_slots) AS u(slot);
                 SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = v_task LIMIT 1;
-                -- (Claimed or not, the waiter leaves the list only when its process claims:
-                -- until then the sweep can dispatch it again if that process dies.)
-                UPDATE concurrency_waiters w SET dispatch_run_id = o_run_id,
-                    dispatch_expires_at = v_now + p_dispatch_lease_seconds
-                WHERE w.task_id = v_task;
                 IF o_standby THEN
                     PERFORM pg_notify(
                         {STANDBY_CHANNEL_SQL},
@@ -626,10 +628,16 @@ _STANDBY_HEAD = (
     "SELECT w.task_id, w.slot_limit, w.task_name, s.mark FROM concurrency_waiters w "
     "LEFT JOIN concurrency_standby s ON s.task_id = w.task_id AND s.dispatch_run_id IS NULL "
     "WHERE w.slot = :slot AND w.dispatch_run_id IS NULL "
-    "ORDER BY w.first_deferred_at, w.parked_at, w.task_id LIMIT :scan"
+    "ORDER BY w.first_deferred_at, w.parked_at, w.task_id LIMIT :scan "
+    # A waiter's rows locked by a release dispatching it, or by another stand_by: skipped.
+    # Locked here, a waiter's dispatch waits for this to commit, and then sees its standby.
+    "FOR UPDATE OF w SKIP LOCKED"
 )
 # Taken or expired records of waiters put on standby again.
-_CLEAR_STANDBY = "DELETE FROM concurrency_standby WHERE task_id IN :task_ids"
+_CLEAR_STANDBY = (
+    "DELETE FROM concurrency_standby WHERE task_id IN :task_ids "
+    "AND (dispatch_run_id IS NOT NULL OR expires_at <= {now})"
+)
 # (Standby is PostgreSQL's only: ON CONFLICT skips a waiter another release just put on standby.)
 _INSERT_STANDBY = (
     "INSERT INTO concurrency_standby (task_id, mark, expires_at) VALUES (:task_id, :mark, {now} + :hold_seconds) "

@@ -171,6 +171,8 @@ class Run:
     hostname: str
     #: The body returned (False: it raised, was cut short, or still runs).
     completed: bool = False
+    #: The run got its slots through a standby copy (signalled by a release).
+    standby: bool = False
 
 
 @dataclass
@@ -183,6 +185,8 @@ class Record:
     received: Counter[str]
     callbacks: Counter[str]
     runs: list[Run]
+    #: Deliveries of standby copies, per task id (used or not).
+    standby_received: Counter[str] = field(default_factory=Counter)
 
     def runs_of(self, task_id: str) -> list[Run]:
         return sorted((run for run in self.runs if run.task_id == task_id), key=lambda run: run.start)
@@ -422,10 +426,14 @@ class Fleet:
                     deferrals=meta["deferrals"],
                     hostname=meta["hostname"],
                     completed=token.decode() in completed,
+                    standby=bool(meta.get("standby")),
                 )
             )
         peaks = {key: int(value) for key, value in counts("peaks").items()}
-        return Record(peaks, counts("starts"), counts("done"), counts("received"), counts("callbacks"), runs)
+        return Record(
+            peaks, counts("starts"), counts("done"), counts("received"), counts("callbacks"), runs,
+            counts("standby-received"),
+        )  # fmt: skip
 
     # -- the slot store -----------------------------------------------------------
 

@@ -254,6 +254,8 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
         meta = {
             "hostname": request.hostname,
             "deferrals": int(request_header(request, "caps_deferrals") or 0),
+            # Handed its slot through a standby copy (celery_caps.parking: standby).
+            "standby": bool(request_header(request, "caps_standby_mark")),
             "retries": request.retries,
             "run_id": getattr(request, "caps_run_id", None),
         }
@@ -407,6 +409,8 @@ def _count_delivery(request: Any = None, **_: Any) -> None:
     recorder = getattr(getattr(getattr(request, "task", None), "app", None), "recorder", None)
     if recorder is not None:
         recorder.received(request.id, request.hostname)
+        if (getattr(request, "request_dict", None) or {}).get("caps_standby_mark"):
+            recorder.count("standby-received", request.id)
 
 
 def _die_before_publishing_wakes(app: Celery, budget: int) -> None:

@@ -35,6 +35,10 @@ WORKERS = 3
 CONCURRENCY = 4
 
 
+#: ``caps_standby_seconds`` (the default): how long a standby copy waits for its slot.
+STANDBY_SECONDS = 10.0
+
+
 @pytest.mark.parametrize(
     "store",
     [
@@ -77,15 +81,23 @@ def test_parked_tasks_are_woken_once_each_and_caps_hold(make_fleet: FleetFactory
     assert all(interval_peaks[c] <= limits[c] for c in limits), f"a cap was exceeded: {interval_peaks}"
     assert peaks["provider"] == PROVIDER_LIMIT
 
-    # ... a parked task came back once: one wake publish per parked task, none for the others
+    # ... a parked task came back once: woken through the broker (one publish) or, on a store
+    # that signals, handed its slot on standby (its copy published ahead); none for the others
     deliveries = sum(record.received[task_id] for task_id in sent)
-    wakes = deliveries - len(sent)
     publishes = sum(int(v) for v in fleet.recorder.client.hgetall(fleet.recorder.key("publishes")).values())
     parked = sum(1 for run in record.runs if run.deferrals)
+    standby_copies = sum(record.standby_received[task_id] for task_id in sent)
+    standby_runs = sum(1 for run in record.runs if run.standby)
     assert all(run.deferrals <= 1 for run in record.runs), "a task was parked twice"
-    assert wakes == parked == publishes > 0
+    assert deliveries - len(sent) == publishes, "a delivery that no worker published (a redelivery)"
+    assert (publishes - standby_copies) + standby_runs == parked > 0
+    unused = standby_copies - standby_runs
+    if run_seconds < STANDBY_SECONDS:
+        # A copy is left unused only when its standby times out (or its process dies).
+        assert unused == 0, f"{unused} standby copies were published for nothing"
     print(
-        f"\n[park {store}] {len(sent)} tasks on {WORKERS}x-c{CONCURRENCY}: peaks {peaks}; parked {parked}; "
+        f"\n[park {store}] {len(sent)} tasks on {WORKERS}x-c{CONCURRENCY}: peaks {peaks}; parked {parked}, "
+        f"{standby_runs} handed over on standby ({unused} standby copies unused); "
         f"broker messages per completed task {(len(sent) + publishes) / len(sent):.2f}; run {run_seconds:.1f} s"
     )
 
