@@ -45,7 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "caps_park_max_payload_bytes": 65536,
     "caps_park_on_publish": True,  # with park: a task whose slots are full when it is sent waits in the store
     "caps_admit_on_publish": True,  # with park on publish: a task sent while its slots have room takes them then
-    "caps_standby_per_slot": 1,  # park: waiters per slot name held by a waiting pool process (0: none)
+    "caps_standby_per_slot": 4,  # park: waiters per slot name held by a waiting pool process (0: none)
     "caps_standby_max": 8,  # park: standby waiters in the whole store, at most
     "caps_standby_seconds": 10.0,  # park: how long a standby pool process waits for its slot
 }
@@ -104,7 +104,7 @@ class ParkingSettings:
     max_payload_bytes: int = 65536
     on_publish: bool = True
     admit_on_publish: bool = True
-    standby_per_slot: int = 1
+    standby_per_slot: int = 4
     standby_max: int = 8
     standby_seconds: float = 10.0
 

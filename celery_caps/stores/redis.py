@@ -114,6 +114,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
@@ -138,6 +139,7 @@ from .base import (
     Lease,
     SlotStatus,
     SlotStore,
+    StandbyDispatch,
     Waiter,
     Woken,
     mask_url,
@@ -283,6 +285,8 @@ class RedisStore(SlotStore):
         self._mark = self._script("redis_mark.lua", _WAITLIST_LIBRARY)
         self._settle = self._script("redis_settle.lua", _WAITLIST_LIBRARY)
         self._waiters = self._script("redis_waiters.lua", _WAITLIST_LIBRARY)
+        self._stand_by_script = self._script("redis_stand_by.lua", _WAITLIST_LIBRARY)
+        self._standby = self._script("redis_standby.lua", _WAITLIST_LIBRARY)
 
     @property
     def client(self) -> redis.Redis:
@@ -541,11 +545,14 @@ class RedisStore(SlotStore):
 
     @staticmethod
     def _woken(reply: Sequence[Any]) -> list[Woken]:
-        """``{task id, run id, task name, payload, ...}`` as :class:`Woken`."""
+        """``{task id, run id, task name, payload, standby, ...}`` as :class:`Woken`."""
         return [
-            Woken(_text(reply[i]), _text(reply[i + 1]), bytes(reply[i + 3]), _text(reply[i + 2]) or None)
-            for i in range(0, len(reply), 4)
-        ]
+            Woken(
+                _text(reply[i]), _text(reply[i + 1]), bytes(reply[i + 3]), _text(reply[i + 2]) or None,
+                standby=reply[i + 4] == b"1",
+            )
+            for i in range(0, len(reply), 5)
+        ]  # fmt: skip
 
     def _release_and_wake(self, dispatch_lease_seconds: float, what: Sequence[bytes]) -> tuple[int, list[Woken]]:
         args: list[bytes | str] = [
@@ -652,6 +659,64 @@ class RedisStore(SlotStore):
                 )
             )
         return [waiter for name in sorted(by_slot) for waiter in by_slot[name]]
+
+    # -- standby --------------------------------------------------------------------
+
+    supports_standby = True
+
+    def signal_key(self, task_id: str) -> bytes:
+        """The list a dispatch pushes ``task_id``'s standby signal to."""
+        return self._prefix + b":standby:signal:" + _encode(task_id)
+
+    def stand_by(self, slots: Collection[str], per_slot: int, max_total: int, hold_seconds: float) -> list[Woken]:
+        if per_slot <= 0 or max_total <= 0 or not slots:
+            return []
+        args: list[bytes | str] = [
+            self._prefix,
+            str(int(per_slot)),
+            str(int(max_total)),
+            self._seconds(hold_seconds, "hold_seconds"),
+            _run_id_nonce(),
+            *(_encode(slot) for slot in sorted(set(slots))),
+        ]
+        return self._woken(self._run("stand_by", self._stand_by_script, self._waitlist_keys, args))
+
+    def _standby_step(self, task_id: str, mark: str, *step: bytes | str) -> list[bytes]:
+        args: list[bytes | str] = [self._prefix, _encode(task_id), _encode(mark), *step]
+        return [bytes(part) for part in self._run("await_standby", self._standby, self._waitlist_keys, args)]
+
+    @staticmethod
+    def _taken(reply: Sequence[bytes]) -> StandbyDispatch | None:
+        if reply[0] != b"taken":
+            return None
+        return StandbyDispatch(_text(reply[1]), claimed=reply[2] == b"claimed")
+
+    def await_standby(
+        self, task_id: str, mark: str, timeout: float, holder: str | None = None, lease_seconds: float | None = None
+    ) -> StandbyDispatch | None:
+        if holder is not None:
+            registered = self._standby_step(
+                task_id, mark, b"register", _encode(holder), self._seconds(lease_seconds or 0.0)
+            )
+        else:
+            registered = self._standby_step(task_id, mark, b"end")
+        if registered[0] != b"waiting":
+            return self._taken(registered)
+        signal = self.signal_key(task_id)
+        deadline = time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                # In steps well inside the client's socket timeout.
+                popped = self._client.blpop([signal], timeout=min(remaining, 1.0))
+            except redis.RedisError as exc:
+                raise StoreError(f"await_standby failed on {self.display_url}: {type(exc).__name__}: {exc}") from exc
+            if popped is not None:
+                note_mark, _, taken = _text(popped[1]).partition(" ")
+                run_id, _, how = taken.partition(" ")
+                if note_mark == mark and run_id:
+                    return StandbyDispatch(run_id, claimed=how == "claimed")
+        # Ends the standby, or finds that a dispatch took it just before.
+        return self._taken(self._standby_step(task_id, mark, b"end"))
 
     def after_fork(self) -> None:
         # A child must not talk over its parent's sockets.  redis-py's pool notices

@@ -36,6 +36,37 @@ local RECORD_SLOTS = 7
 -- Waiters fetched at a time while walking a slot's waiting list.
 local WALK_CHUNK = 128
 
+-- Standby (see redis.py): P:standby HASH task id -> MessagePack { mark, expiry (number),
+-- dispatch run id ('' until a dispatch takes it), holder ('' until its process waits),
+-- lease seconds (number, 0 until then) }; P:standby:signal:<task id> LIST, the signals
+-- ("<mark> <run id> claimed|dispatched") a dispatch pushes for the waiting process.
+local SIGNAL_SECONDS = 60
+
+local function standby_key(prefix)
+  return prefix .. ':standby'
+end
+
+local function signal_key(prefix, task_id)
+  return prefix .. ':standby:signal:' .. task_id
+end
+
+local function read_standby(prefix, task_id)
+  local packed = redis.call('HGET', standby_key(prefix), task_id)
+  if not packed then
+    return nil
+  end
+  return cmsgpack.unpack(packed)
+end
+
+local function write_standby(prefix, task_id, standby)
+  redis.call('HSET', standby_key(prefix), task_id, cmsgpack.pack(standby))
+end
+
+-- A standby a dispatch can take: live and not taken yet.
+local function standby_open(standby, now)
+  return standby ~= nil and standby[3] == '' and standby[2] > now
+end
+
 local function waitlist_keys()
   return { waiting = KEYS[4], payloads = KEYS[5], waitlists = KEYS[6], dispatches = KEYS[7] }
 end
@@ -95,6 +126,7 @@ local function remove_waiter(prefix, keys, task_id, record)
   redis.call('HDEL', keys.waiting, task_id)
   redis.call('HDEL', keys.payloads, task_id)
   redis.call('ZREM', keys.dispatches, task_id)
+  redis.call('HDEL', standby_key(prefix), task_id)
 end
 
 -- Dispatch, oldest first, every waiter in the waiting lists of `slots` whose every
@@ -102,7 +134,9 @@ end
 -- `lease_seconds` (holder DISPATCH_HOLDER).  A waiter that does not fit is passed
 -- over and keeps its place.  Run ids are `nonce` (unique per call, from the caller:
 -- a script's own random numbers repeat) followed by a counter.  Returns the woken
--- as a flat list: task id, run id, task name, payload, ...
+-- as a flat list: task id, run id, task name, payload, standby ('1': a standby process
+-- was signalled instead, '0'), ...  A waiter on standby is taken for its dispatch; if its
+-- process waits already, the run is created in that process's name with its lease length.
 local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, lease_seconds, nonce)
   local woken = {}
   local room = {} -- slot_has_room's cache
@@ -201,7 +235,20 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
       end
       if fits then
         local run_id = new_run_id()
-        write_run(prefix, runs_key, expiry_key, task_id, run_id, DISPATCH_HOLDER, names, lease_seconds, now, record[3])
+        local holder, run_seconds = DISPATCH_HOLDER, lease_seconds
+        local standby = read_standby(prefix, task_id)
+        local signalled = standby_open(standby, now)
+        if signalled then
+          standby[3] = run_id
+          if standby[4] ~= '' then
+            holder, run_seconds = standby[4], standby[5]
+          end
+          write_standby(prefix, task_id, standby)
+          local how = holder == DISPATCH_HOLDER and 'dispatched' or 'claimed'
+          redis.call('RPUSH', signal_key(prefix, task_id), standby[1] .. ' ' .. run_id .. ' ' .. how)
+          redis.call('EXPIRE', signal_key(prefix, task_id), SIGNAL_SECONDS)
+        end
+        write_run(prefix, runs_key, expiry_key, task_id, run_id, holder, names, run_seconds, now, record[3])
         for _, slot in ipairs(names) do
           room[slot] = nil
         end
@@ -213,6 +260,7 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
         woken[#woken + 1] = run_id
         woken[#woken + 1] = record[3]
         woken[#woken + 1] = redis.call('HGET', keys.payloads, task_id) or ''
+        woken[#woken + 1] = signalled and '1' or '0'
       end
     end
   end
