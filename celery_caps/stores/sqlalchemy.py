@@ -384,13 +384,17 @@ BEGIN
         RETURN;
     END IF;
     PERFORM 1 FROM concurrency_slots c WHERE c.run_id = '' AND c.slot = ANY(v_released) ORDER BY c.slot FOR UPDATE;
-    SELECT coalesce(array_agg(DISTINCT w.slot), '{{}}') INTO v_waited FROM concurrency_waiters w
-    WHERE w.task_id IN (
-        SELECT x.task_id FROM concurrency_waiters x WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL);
-    IF cardinality(v_waited) = 0 THEN
+    IF NOT EXISTS (
+        SELECT 1 FROM concurrency_waiters x WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL)
+    THEN
         RETURN NEXT;
         RETURN;
     END IF;
+    -- The other slots that waiters of several slots need (none for single-slot waiters).
+    SELECT coalesce(array_agg(DISTINCT w.slot), '{{}}') INTO v_waited FROM concurrency_waiters w
+    WHERE w.task_id IN (
+        SELECT x.task_id FROM concurrency_waiters x
+        WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL AND x.slot_count > 1);
     SELECT v_released || coalesce(array_agg(m.slot), '{{}}') INTO v_locked FROM (
         SELECT c.slot FROM concurrency_slots c
         WHERE c.run_id = '' AND c.slot = ANY(v_waited) AND NOT (c.slot = ANY(v_released))
@@ -399,10 +403,18 @@ BEGIN
     -- One waiter's rows are adjacent in this order, read as they come (a long list is not
     -- read to its end); after the last row FETCH sets the f_ variables to NULL, which
     -- closes the last waiter.
-    OPEN v_waiters FOR
-        SELECT w.task_id, w.slot, w.slot_limit, w.slot_count, w.task_name FROM concurrency_waiters w
-        WHERE w.slot = ANY(v_locked) AND w.dispatch_run_id IS NULL
-        ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
+    -- (One slot: an equality, so the list's index streams it in order, unsorted.)
+    IF cardinality(v_locked) = 1 THEN
+        OPEN v_waiters FOR
+            SELECT w.task_id, w.slot, w.slot_limit, w.slot_count, w.task_name FROM concurrency_waiters w
+            WHERE w.slot = v_locked[1] AND w.dispatch_run_id IS NULL
+            ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
+    ELSE
+        OPEN v_waiters FOR
+            SELECT w.task_id, w.slot, w.slot_limit, w.slot_count, w.task_name FROM concurrency_waiters w
+            WHERE w.slot = ANY(v_locked) AND w.dispatch_run_id IS NULL
+            ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
+    END IF;
     LOOP
         FETCH v_waiters INTO f_task, f_slot, f_limit, f_count, f_name;
         IF v_task IS NOT NULL AND f_task IS DISTINCT FROM v_task THEN
@@ -628,10 +640,14 @@ _STANDBY_HEAD = (
     "SELECT w.task_id, w.slot_limit, w.task_name, s.mark FROM concurrency_waiters w "
     "LEFT JOIN concurrency_standby s ON s.task_id = w.task_id AND s.dispatch_run_id IS NULL "
     "WHERE w.slot = :slot AND w.dispatch_run_id IS NULL "
-    "ORDER BY w.first_deferred_at, w.parked_at, w.task_id LIMIT :scan "
-    # A waiter's rows locked by a release dispatching it, or by another stand_by: skipped.
-    # Locked here, a waiter's dispatch waits for this to commit, and then sees its standby.
-    "FOR UPDATE OF w SKIP LOCKED"
+    "ORDER BY w.first_deferred_at, w.parked_at, w.task_id LIMIT :scan"
+)
+# The chosen waiters still waiting, locked; a waiter locked by a release dispatching it, or
+# by another stand_by choosing it, is skipped.  Locked here, a waiter's dispatch waits for
+# this to commit, and then sees its standby.
+_LOCK_STANDBY_CHOSEN = (
+    "SELECT task_id FROM concurrency_waiters WHERE task_id IN :task_ids AND dispatch_run_id IS NULL "
+    "FOR UPDATE SKIP LOCKED"
 )
 # Taken or expired records of waiters put on standby again.
 _CLEAR_STANDBY = (
@@ -913,6 +929,7 @@ class SQLAlchemyStore(SlotStore):
             "delete_expired_standby": _DELETE_EXPIRED_STANDBY,
             "live_standby_count": _LIVE_STANDBY_COUNT,
             "standby_head": _STANDBY_HEAD,
+            "lock_standby_chosen": _LOCK_STANDBY_CHOSEN,
             "clear_standby": _CLEAR_STANDBY,
             "insert_standby": _INSERT_STANDBY,
         }
@@ -1844,6 +1861,13 @@ class SQLAlchemyStore(SlotStore):
                     if mark is None and _as_text(task_id) not in chosen:
                         chosen[_as_text(task_id)] = task_name
                         wanted -= 1
+            if not chosen:
+                return []
+            locked = {
+                _as_text(row[0])
+                for row in connection.execute(statements["lock_standby_chosen"], {"task_ids": list(chosen)})
+            }
+            chosen = {task_id: name for task_id, name in chosen.items() if task_id in locked}
             if not chosen:
                 return []
             connection.execute(statements["clear_standby"], {"task_ids": list(chosen)})
