@@ -63,6 +63,8 @@ STRATEGIES: dict[str, dict[str, str]] = {
     },
     # Park and wake (celery_caps.parking): a full cap parks the task in the store's waiting list.
     "park": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park"},
+    # Park with every hand-over through the broker (no waiter on standby in a pool process).
+    "park without standby": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_standby_per_slot=0"},
     # Park, with a task that finds room when sent sent without taking its slots (caps_admit_on_publish off).
     "park without admit on publish": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_admit_on_publish=False"},
 }

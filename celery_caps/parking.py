@@ -100,7 +100,7 @@ from kombu.serialization import dumps, loads
 
 from .errors import StoreError
 from .settings import CapsSettings, ParkingSettings
-from .stores.base import SlotStore, Woken
+from .stores.base import DISPATCH_HOLDER, SlotStore, Woken
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -345,10 +345,12 @@ def stand_by(runtime: CapsContext, slots: Sequence[str], ran_seconds: float) -> 
 def end_standby(runtime: CapsContext, task_id: str, mark: str, payload: bytes | None = None) -> None:
     """End a standby whose copy will never wait for it (its publish failed, its process died).
 
-    If a release took it already, its dispatch is published with ``payload``; without one,
-    the dispatch is released for the next waiters instead (the task keeps its place, and the
-    sweep dispatches it again once its dispatch lease expires).  Logged on failure (the sweep
-    dispatches it again then, too).
+    If a release took it already for a dispatch lease, that dispatch is published with
+    ``payload``; without one (the process died), the dispatch lease, if nobody claimed it, is
+    released for the next waiters (the task keeps its place, and the sweep dispatches it again
+    once its dispatch lease expires).  Leases a release created in a dead process's name are
+    released with that process's other leases (``release_holder``).  Logged on failure (the
+    sweep dispatches it again then, too).
     """
     try:
         dispatch = runtime.store.await_standby(task_id, mark, 0)
@@ -357,7 +359,7 @@ def end_standby(runtime: CapsContext, task_id: str, mark: str, payload: bytes | 
         if payload is not None:
             publish_woken(runtime.app, [Woken(task_id, dispatch.run_id, payload)])
         else:
-            release(runtime, dispatch.run_id)
+            release_holder(runtime, task_id, DISPATCH_HOLDER)
     except StoreError as exc:
         logger.warning("could not end the standby of task %s (%s)", task_id, exc)
 

@@ -188,6 +188,19 @@ class Woken:
 
 
 @dataclass(frozen=True)
+class Standby:
+    """One waiter on standby, as operators see it."""
+
+    task_id: str
+    #: The waiting process (``"<node>/<pid>"``) once its copy waits; None until then.
+    holder: str | None
+    #: A release took it for a dispatch (the waiting process runs it).
+    taken: bool
+    #: Seconds until the standby expires, by the store's clock (negative: expired).
+    expires_in: float
+
+
+@dataclass(frozen=True)
 class StandbyDispatch:
     """What :meth:`SlotStore.await_standby` returns once a release took the standby."""
 
@@ -444,6 +457,10 @@ class SlotStore(abc.ABC):
         the standby has ended (timed out, or it is no longer this mark's: expired, or the task
         left the list).  ``timeout=0`` without a holder ends a standby nobody will wait for.
         """
+        raise NotImplementedError(f"{type(self).__name__} does not support standby")
+
+    def standbys(self) -> list[Standby]:
+        """Every standby record (taken or not, live or expired), by task id."""
         raise NotImplementedError(f"{type(self).__name__} does not support standby")
 
     def after_fork(self) -> None:

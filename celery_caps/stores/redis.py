@@ -139,6 +139,7 @@ from .base import (
     Lease,
     SlotStatus,
     SlotStore,
+    Standby,
     StandbyDispatch,
     Waiter,
     Woken,
@@ -287,6 +288,7 @@ class RedisStore(SlotStore):
         self._waiters = self._script("redis_waiters.lua", _WAITLIST_LIBRARY)
         self._stand_by_script = self._script("redis_stand_by.lua", _WAITLIST_LIBRARY)
         self._standby = self._script("redis_standby.lua", _WAITLIST_LIBRARY)
+        self._standbys = self._script("redis_standbys.lua", _WAITLIST_LIBRARY)
 
     @property
     def client(self) -> redis.Redis:
@@ -680,6 +682,16 @@ class RedisStore(SlotStore):
             *(_encode(slot) for slot in sorted(set(slots))),
         ]
         return self._woken(self._run("stand_by", self._stand_by_script, self._waitlist_keys, args))
+
+    def standbys(self) -> list[Standby]:
+        reply = self._run("standbys", self._standbys, self._waitlist_keys, [self._prefix])
+        return sorted(
+            (
+                Standby(_text(reply[i]), _text(reply[i + 1]) or None, reply[i + 2] == b"1", float(reply[i + 3]))
+                for i in range(0, len(reply), 4)
+            ),
+            key=lambda standby: standby.task_id,
+        )
 
     def _standby_step(self, task_id: str, mark: str, *step: bytes | str) -> list[bytes]:
         args: list[bytes | str] = [self._prefix, _encode(task_id), _encode(mark), *step]

@@ -15,7 +15,10 @@ if standby == nil or standby[1] ~= mark then
   return { 'gone' }
 end
 if standby[3] ~= '' then
-  return { 'taken', standby[3], standby[4] ~= '' and 'claimed' or 'dispatched' }
+  -- Claimed for this process only if the dispatch used its own name (another copy's, say
+  -- of a process that died, is to be claimed like a dispatch: claim checks it).
+  local mine = mode == 'register' and standby[4] ~= '' and standby[4] == ARGV[5]
+  return { 'taken', standby[3], mine and 'claimed' or 'dispatched' }
 end
 if standby[2] <= now then
   redis.call('HDEL', standby_key(prefix), task_id)

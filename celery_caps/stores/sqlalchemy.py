@@ -66,6 +66,7 @@ from .base import (
     Lease,
     SlotStatus,
     SlotStore,
+    Standby,
     StandbyDispatch,
     Waiter,
     Woken,
@@ -669,6 +670,7 @@ _REGISTER_STANDBY_DRIVER = (
 _END_STANDBY_DRIVER = (
     "DELETE FROM concurrency_standby WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
 )
+_STANDBYS = "SELECT task_id, holder, dispatch_run_id, expires_at - {now} FROM concurrency_standby ORDER BY task_id"
 #: Waiting rows of a slot read when choosing standbys, beyond the bound itself.
 _STANDBY_SCAN_EXTRA = 16
 
@@ -932,6 +934,7 @@ class SQLAlchemyStore(SlotStore):
             "lock_standby_chosen": _LOCK_STANDBY_CHOSEN,
             "clear_standby": _CLEAR_STANDBY,
             "insert_standby": _INSERT_STANDBY,
+            "standbys": _STANDBYS,
         }
         statements = {}
         for name, template in templates.items():
@@ -1886,6 +1889,18 @@ class SQLAlchemyStore(SlotStore):
 
         return self._transaction("stand_by", stand_by)
 
+    def standbys(self) -> list[Standby]:
+        if not self.supports_standby:
+            return []
+
+        def read(connection: Connection) -> list[Standby]:
+            return [
+                Standby(_as_text(task_id), holder, run_id is not None, float(expires_in))
+                for task_id, holder, run_id, expires_in in connection.execute(self._parking["standbys"])
+            ]
+
+        return self._transaction("standbys", read, single_statement=True)
+
     def await_standby(
         self, task_id: str, mark: str, timeout: float, holder: str | None = None, lease_seconds: float | None = None
     ) -> StandbyDispatch | None:
@@ -1900,7 +1915,10 @@ class SQLAlchemyStore(SlotStore):
             row = connection.execute(_STANDBY_RECORD_DRIVER, params).fetchone()
             if row is None or row[0] != mark:
                 return False, None
-            return True, (StandbyDispatch(str(row[1]), claimed=row[2] is not None) if row[1] else None)
+            # Claimed for this process only if the release used its own name (another copy's,
+            # say of a process that died, is to be claimed like a dispatch: claim checks it).
+            claimed = holder is not None and row[2] == holder
+            return True, (StandbyDispatch(str(row[1]), claimed=claimed) if row[1] else None)
 
         def wait(connection: Any) -> StandbyDispatch | None:
             if holder is not None and connection.execute(_REGISTER_STANDBY_DRIVER, params).rowcount == 1:

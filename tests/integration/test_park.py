@@ -7,6 +7,8 @@ and nothing is left behind: no lease, no waiter, only sentinels.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -421,6 +423,63 @@ def test_a_release_retried_after_a_store_outage_wakes_the_waiter(
     wait_done(fleet, waiter, 15, "the retried release did not wake the waiter")
     wait_for(lambda: store.leases(fleet.slot(f"one:{scope}")) == [], 10, "leases left")
     assert not parked(store, waiter)
+
+
+# -- standby: a pool process that waits for the next hand-over ----------------------------
+
+
+def waiting_standby(fleet: Fleet, task_ids: list[str]) -> tuple[str, int] | None:
+    """One of ``task_ids`` whose standby copy waits in a pool process, and that process's pid."""
+    for standby in fleet.store.standbys():
+        if standby.task_id in task_ids and standby.holder and not standby.taken and standby.expires_in > 0:
+            return standby.task_id, int(standby.holder.rsplit("/", 1)[1])
+    return None
+
+
+@pytest.mark.parametrize(
+    "store",
+    [
+        pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.redis], id="postgres-redis"),
+        pytest.param("redis", marks=[pytest.mark.redis], id="redis-redis"),
+    ],
+)
+def test_a_standby_process_killed_while_it_waits_loses_no_task_and_the_cap_holds(
+    make_fleet: FleetFactory, store: str
+) -> None:
+    fleet = make_fleet(
+        broker=require_service("redis"), caps_url=require_service(store), strategy="park", dispatch_lease=2
+    )
+    fleet.start(1, concurrency=4)
+    scope = uuid.uuid4().hex[:16]
+    hold = fleet.app.tasks["fleet.hold"]
+
+    # Given four 2 s tasks for one slot of limit 1, sent at once: the first runs, the others
+    # wait in the store, and after the first hand-over the next waiter's copy waits on standby
+    tasks = [hold.apply_async(args=[scope, 2.0]).id for _ in range(4)]
+    found = wait_for(lambda: waiting_standby(fleet, tasks), 20, "no standby copy waited in a pool process")
+    assert found is not None
+    standby_task, pid = found
+
+    # When that pool process is killed while it waits (SIGKILL: nothing of it runs any more)
+    os.kill(pid, signal.SIGKILL)
+
+    # Then every task still runs exactly once and the cap holds throughout, nothing is left.
+    # (The worker notices the dead process late: a release may hand the slot to the dead
+    # standby first, in its name.  Its leases are released when the loss is noticed, and the
+    # killed copy, given back to the broker, claims like a dispatch, or is admitted as usual,
+    # or the sweep dispatches the task again once its dispatch expires.)
+    deadline = time.monotonic() + 60
+    while not all(fleet.record().done[task_id] for task_id in tasks):
+        assert time.monotonic() < deadline, f"not all ran: {dict(fleet.record().done)}"
+        if fleet.leases() == [] or all(lease.expires_in < 0 for lease in fleet.leases()):
+            run_sweep(fleet)
+        time.sleep(0.5)
+    record = fleet.record()
+    assert [record.starts[task_id] for task_id in tasks] == [1, 1, 1, 1], standby_task
+    runs = sorted((run.start, run.end, run.task_id[:6], run.standby) for run in record.runs)
+    assert record.interval_peak(f"one:{scope}", distinct=True) == 1, runs
+    wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
 
 
 # -- a revoked waiter leaves the waiting list ---------------------------------------------
