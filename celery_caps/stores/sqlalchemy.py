@@ -749,6 +749,17 @@ class _DriverConnections:
 
         Raises the driver's error after invalidating the connection.
         """
+        fairy = self._connection()
+        try:
+            cursor = fairy.driver_connection.cursor()
+            cursor.execute(sql, params)
+            return cursor
+        except self._error:
+            self._drop(fairy)
+            raise
+
+    def _connection(self) -> Any:
+        """This thread's connection (SQLAlchemy's pool fairy), checked out in autocommit on first use."""
         if os.getpid() != self._pid:
             self._forget_inherited()
         fairy: Any = getattr(self._local, "connection", None)
@@ -758,13 +769,7 @@ class _DriverConnections:
             self._local.connection = fairy
             with self._lock:
                 self._open.append(fairy)
-        try:
-            cursor = fairy.driver_connection.cursor()
-            cursor.execute(sql, params)
-            return cursor
-        except self._error:
-            self._drop(fairy)
-            raise
+        return fairy
 
     def listening(self, channel: str, work: Callable[[Any], _T]) -> _T:
         """``work(psycopg connection)`` while this thread's connection listens to ``channel``.
@@ -773,12 +778,7 @@ class _DriverConnections:
         """
         from psycopg import sql
 
-        if os.getpid() != self._pid:
-            self._forget_inherited()
-        fairy: Any = getattr(self._local, "connection", None)
-        if fairy is None:
-            self.execute("SELECT 1", {})
-            fairy = self._local.connection
+        fairy = self._connection()
         connection = fairy.driver_connection
         try:
             connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
