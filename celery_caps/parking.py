@@ -66,20 +66,24 @@ that dies leaves a mark that expires like a dispatch.
 
 Standby.  A hand-over through the broker costs a publish, the broker, the worker's main
 process and a claim between two tasks (milliseconds each, an idle slot meanwhile).  On a
-store that can signal (PostgreSQL's NOTIFY), a release that woke waiters also puts the
-next waiters of its slots *on standby* (``SlotStore.stand_by``: ``caps_standby_per_slot``
-per slot name, at most the slot's limit, ``caps_standby_max`` in all) and publishes a copy
-of each with a ``caps_standby_mark`` header, to the wake queue.  A pool process that
-receives one waits there (``SlotStore.await_standby``, up to ``caps_standby_seconds``).  A
-release that dispatches a waiter on standby signals it in the dispatch's own transaction
-and publishes nothing: the waiting process claims the dispatch and runs at once.  The
-order is the same (a standby waiter is dispatched when its turn comes, like any other);
-only the way its message travels changes.  A standby that times out ends in one step
-against the release (either it ends, and its copy is dropped while the waiter waits on in
-the list, or a release took it first and it runs); a standby process that dies leaves its
-dispatch to the sweep, like a releaser killed before publishing.  Standbys are only taken
-by a release whose run lasted under half of ``caps_standby_seconds``: for long tasks the
-hand-over is no cost worth a blocked pool process.
+store that can signal (PostgreSQL's NOTIFY, a Redis list), a release that woke waiters also
+puts the next waiters of its slots *on standby* (``SlotStore.stand_by``:
+``caps_standby_per_slot`` per slot name, at most the slot's limit, ``caps_standby_max`` in
+all) and publishes a copy of each with a ``caps_standby_mark`` header, to the wake queue.  A
+pool process that receives one records its holder in the standby and waits there
+(``SlotStore.await_standby``, up to ``caps_standby_seconds``).  A release that dispatches a
+waiter on standby creates its leases in that process's name, signals it in the dispatch's
+own transaction and publishes nothing: the process runs at once, and claims in the
+background (which takes the task off the list).  A copy that arrives after its standby was
+taken, or runs in another process than the one named, claims like a dispatched task.  The
+order is the same (a standby waiter is dispatched when its turn comes, like any other); only
+the way its message travels changes.  A standby that times out ends in one step against the
+release (either it ends, and its copy is dropped while the waiter waits on in the list, or a
+release took it first and it runs).  A standby process that dies is ended by the worker's
+main process (:func:`end_standby`; leases created in its name go with its other leases),
+and the task, still listed as dispatched, is dispatched again by the sweep.  Standbys are
+only taken by a release whose run lasted under half of ``caps_standby_seconds``: for long
+tasks the hand-over is no cost worth a blocked pool process.
 
 Choosing.  ``caps_strategy`` is ``"park"`` (default) or ``"backoff"``, or a mapping
 ``{"default": ..., "<cap name>": ...}`` choosing per cap; a task parks when any of
