@@ -34,6 +34,7 @@ from celery_caps.stores.base import (
     SlotStatus,
     SlotStore,
     StandbyDispatch,
+    Woken,
 )
 from tests.services import StoreKind, StoreTarget, own_status
 
@@ -1294,6 +1295,20 @@ def standby_store(store: SlotStore) -> SlotStore:
     return store
 
 
+def one_on_standby(store: SlotStore, prefix: str, *behind: str) -> tuple[str, str, Woken]:
+    """A slot of limit 1 held by a running task, the waiter ``next`` on standby, and ``behind``
+    parked after it.  Returns the slot, the running run id and the standby.  (The bound in all
+    is store-wide, and other tests' standbys count: a large one.)"""
+    store = standby_store(store)
+    slot = f"{prefix}s"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    for order, task in enumerate(("next", *behind)):
+        assert park(store, {slot: 1}, f"{prefix}{task}", float(order + 1)) == PARK_PARKED
+    [standby] = store.stand_by([slot], 1, 10_000, 30.0)
+    assert standby.task_id == f"{prefix}next"
+    return slot, running, standby
+
+
 def test_stand_by_takes_the_oldest_waiters_within_its_bounds(store: SlotStore, prefix: str) -> None:
     store = standby_store(store)
     slot, other = f"{prefix}s", f"{prefix}other"
@@ -1305,11 +1320,11 @@ def test_stand_by_takes_the_oldest_waiters_within_its_bounds(store: SlotStore, p
     assert park(store, {other: 1}, f"{prefix}o", 0.5) == PARK_PARKED
 
     # One per slot: the oldest waiter; asking again takes no more
-    [first] = store.stand_by([slot], 1, 8, 30.0)
+    [first] = store.stand_by([slot], 1, 10_000, 30.0)
     assert (first.task_id, first.payload) == (f"{prefix}w0", f"payload of {prefix}w0".encode())
-    assert store.stand_by([slot], 1, 8, 30.0) == []
+    assert store.stand_by([slot], 1, 10_000, 30.0) == []
     # More per slot than its limit: the limit bounds it (2 for this slot)
-    assert [w.task_id for w in store.stand_by([slot], 5, 8, 30.0)] == [f"{prefix}w1"]
+    assert [w.task_id for w in store.stand_by([slot], 5, 10_000, 30.0)] == [f"{prefix}w1"]
     # The bound in all (store-wide: other tests' standbys count too): two standbys exist at
     # least, so a bound of 2 takes none for the other slot; a larger one takes its waiter
     assert store.stand_by([other], 1, 2, 30.0) == []
@@ -1323,13 +1338,7 @@ def test_stand_by_takes_the_oldest_waiters_within_its_bounds(store: SlotStore, p
 def test_a_release_signals_the_waiting_standby_instead_of_handing_it_back_to_publish(
     store: SlotStore, prefix: str
 ) -> None:
-    store = standby_store(store)
-    slot = f"{prefix}s"
-    running = admit(store, {slot: 1}, f"{prefix}running")
-    assert park(store, {slot: 1}, f"{prefix}next", 1.0) == PARK_PARKED
-    assert park(store, {slot: 1}, f"{prefix}later", 2.0) == PARK_PARKED
-    [standby] = store.stand_by([slot], 1, 8, 30.0)
-    assert standby.task_id == f"{prefix}next"
+    slot, running, standby = one_on_standby(store, prefix, "later")
 
     # Given a process waiting for the standby
     signalled: list[StandbyDispatch | None] = []
@@ -1366,11 +1375,7 @@ def test_a_release_signals_the_waiting_standby_instead_of_handing_it_back_to_pub
 
 
 def test_a_standby_that_times_out_ends_and_its_waiter_keeps_its_place(store: SlotStore, prefix: str) -> None:
-    store = standby_store(store)
-    slot = f"{prefix}s"
-    running = admit(store, {slot: 1}, f"{prefix}running")
-    assert park(store, {slot: 1}, f"{prefix}next", 1.0) == PARK_PARKED
-    [standby] = store.stand_by([slot], 1, 8, 30.0)
+    slot, running, standby = one_on_standby(store, prefix)
 
     assert store.await_standby(standby.task_id, standby.run_id, 0.2, HOLDER, LONG_LEASE) is None
 
@@ -1380,17 +1385,13 @@ def test_a_standby_that_times_out_ends_and_its_waiter_keeps_its_place(store: Slo
     assert (woken.task_id, woken.standby) == (f"{prefix}next", False)
     # ... and a new standby can be taken for the waiter behind
     assert park(store, {slot: 1}, f"{prefix}last", 2.0) == PARK_PARKED
-    assert [w.task_id for w in store.stand_by([slot], 1, 8, 30.0)] == [f"{prefix}last"]
+    assert [w.task_id for w in store.stand_by([slot], 1, 10_000, 30.0)] == [f"{prefix}last"]
 
 
 def test_a_standby_taken_before_its_process_waits_gets_its_dispatch_and_a_stale_copy_gets_none(
     store: SlotStore, prefix: str
 ) -> None:
-    store = standby_store(store)
-    slot = f"{prefix}s"
-    running = admit(store, {slot: 1}, f"{prefix}running")
-    assert park(store, {slot: 1}, f"{prefix}next", 1.0) == PARK_PARKED
-    [standby] = store.stand_by([slot], 1, 8, 30.0)
+    _slot, running, standby = one_on_standby(store, prefix)
     # A release through the generic transaction (a revoke) takes it while nobody listens
     _, [woken] = store.release_task_and_wake(f"{prefix}running", DISPATCH_LEASE)
     assert woken.standby and running
