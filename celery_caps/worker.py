@@ -145,6 +145,14 @@ class CapsRuntime:
                     self._store = store_from_url(self.settings.require_url(), create_schema=self.settings.create_schema)
         return self._store
 
+    def warm_up(self) -> None:
+        """Build the store and let it prepare (schema, a connection) before the first task
+        needs it; a failure is logged (the first task tries again)."""
+        try:
+            self.store.warm_up()
+        except Exception as exc:  # a StoreError, or a bad setting the worker reports at start
+            logger.info("celery-caps: the slot store was not warmed up (%s); the first task connects", exc)
+
     def close(self) -> None:
         """Stop the keeper and close the store (connections it opened)."""
         if self._keeper is not None:
@@ -657,6 +665,20 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
             self._metrics_server = None
+
+
+@signals.worker_process_init.connect  # type: ignore[untyped-decorator]
+def _warm_up_on_process_init(**_: Any) -> None:
+    # A pool process (prefork child, or the solo worker) has just started: connect to the store
+    # and check its schema now, in a thread (this signal must return within seconds), rather
+    # than in the first capped task it runs, which would start tens of milliseconds late.
+    from celery import current_app
+
+    app = current_app._get_current_object()
+    if not any(_is_capped(task) for task in app.tasks.values()):
+        return
+    runtime = runtime_for(app)
+    threading.Thread(target=runtime.warm_up, name="celery-caps-warm-up", daemon=True).start()
 
 
 @signals.worker_process_shutdown.connect  # type: ignore[untyped-decorator]

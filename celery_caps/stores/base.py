@@ -463,6 +463,15 @@ class SlotStore(abc.ABC):
         """Every standby record (taken or not, live or expired), by task id."""
         raise NotImplementedError(f"{type(self).__name__} does not support standby")
 
+    def warm_up(self) -> None:
+        """Make the first calls fast: do now what the first call would (check the schema, load
+        scripts) and open a connection ahead of use.  Called off the hot path, when a pool
+        process starts; a store with nothing to prepare does nothing.
+
+        Raises:
+            StoreError: the store cannot be reached (the first real call tries again).
+        """
+
     def after_fork(self) -> None:
         """Called in a child process after fork; drop connections inherited from the parent."""
 

@@ -269,6 +269,7 @@ class RedisStore(SlotStore):
             prefix + b":waitlists",
             prefix + b":dispatches",
         ]
+        self._scripts: list[Script] = []
         self._acquire = self._script("redis_acquire.lua")
         self._renew = self._script("redis_renew.lua")
         self._release = self._script("redis_release.lua")
@@ -326,7 +327,21 @@ class RedisStore(SlotStore):
     # -- plumbing -----------------------------------------------------------------
 
     def _script(self, name: str, *libraries: str) -> Script:
-        return self._client.register_script(_load_script_source(name, *libraries))
+        script = self._client.register_script(_load_script_source(name, *libraries))
+        self._scripts.append(script)
+        return script
+
+    def warm_up(self) -> None:
+        """Connect (the pool keeps the connection for the first call) and load every script the
+        server does not have yet, so that no first call pays a ``NOSCRIPT`` round trip."""
+        try:
+            loaded = self._client.script_exists(*(script.sha for script in self._scripts))
+            for script, present in zip(self._scripts, loaded, strict=True):
+                if not present:
+                    script.sha = self._client.script_load(script.script)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            message = f"warming up failed on {self._display_url}: {type(exc).__name__}: {exc}"
+            raise StoreError(_scrub(message, self._password())) from exc
 
     @staticmethod
     def _describe_client(client: Any) -> str:

@@ -734,6 +734,9 @@ class _DriverConnections:
     A connection that fails is invalidated (closed, never returned to the pool, which
     expects transactions); after a fork the parent's connections are left alone.
     Not used under gevent/eventlet, where every green thread would hold a connection.
+
+    :meth:`open_spare` connects ahead of use (from a warm-up thread): the first thread that
+    needs a connection (the pool process's task thread) takes that one instead of connecting.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -741,6 +744,7 @@ class _DriverConnections:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._open: list[Any] = []
+        self._spare: Any = None
         self._pid = os.getpid()
         self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
 
@@ -759,17 +763,43 @@ class _DriverConnections:
             raise
 
     def _connection(self) -> Any:
-        """This thread's connection (SQLAlchemy's pool fairy), checked out in autocommit on first use."""
+        """This thread's connection (SQLAlchemy's pool fairy), checked out in autocommit on first
+        use (the spare, if one is open)."""
         if os.getpid() != self._pid:
             self._forget_inherited()
         fairy: Any = getattr(self._local, "connection", None)
         if fairy is None:
-            fairy = self._engine.raw_connection()
-            fairy.driver_connection.autocommit = True
-            self._local.connection = fairy
             with self._lock:
-                self._open.append(fairy)
+                fairy, self._spare = self._spare, None
+            if fairy is None:
+                fairy = self._checkout()
+            self._local.connection = fairy
         return fairy
+
+    def _checkout(self) -> Any:
+        """A new connection in autocommit, kept checked out (and listed, to close it)."""
+        fairy: Any = self._engine.raw_connection()
+        fairy.driver_connection.autocommit = True
+        with self._lock:
+            self._open.append(fairy)
+        return fairy
+
+    def open_spare(self) -> None:
+        """Connect now, for the first thread that needs a connection; nothing if one is spare.
+
+        Raises the driver's error.
+        """
+        if os.getpid() != self._pid:
+            self._forget_inherited()
+        with self._lock:
+            if self._spare is not None:
+                return
+        fairy = self._checkout()
+        with self._lock:
+            if self._spare is None:
+                self._spare = fairy
+                return
+        self._drop(fairy)  # another warm-up was quicker (this thread has no connection of its own)
 
     def listening(self, channel: str, work: Callable[[Any], _T]) -> _T:
         """``work(psycopg connection)`` while this thread's connection listens to ``channel``.
@@ -805,6 +835,7 @@ class _DriverConnections:
         # and kept referenced so that no finaliser closes them either.
         _INHERITED_CONNECTIONS.extend(self._open)
         self._open = []
+        self._spare = None
         self._local = threading.local()
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -815,6 +846,7 @@ class _DriverConnections:
             return
         with self._lock:
             open_connections, self._open = self._open, []
+            self._spare = None
         for fairy in open_connections:
             try:
                 fairy.invalidate()
@@ -853,6 +885,8 @@ class SQLAlchemyStore(SlotStore):
             )
         self._create_schema = create_schema
         self._schema_ready = False
+        # A pool process's warm-up thread and its first task may prepare at once: once is enough.
+        self._prepare_lock = threading.Lock()
         # PostgreSQL runs single statements (and the admission function) in
         # autocommit: no BEGIN and COMMIT round trips around them.
         self._autocommit_engine = (
@@ -1078,6 +1112,11 @@ class SQLAlchemyStore(SlotStore):
 
     def _prepare(self) -> None:
         """First use in this process: create the schema if asked, pick the admission path."""
+        with self._prepare_lock:
+            if not self._schema_ready:
+                self._prepare_once()
+
+    def _prepare_once(self) -> None:
         if self._create_schema:
             self.create_schema()
         missing = self._missing_lease_columns()
@@ -1267,8 +1306,24 @@ class SQLAlchemyStore(SlotStore):
         if self._driver is None:
             if self.dialect != "postgresql" or self._engine.dialect.driver != "psycopg" or green_threads():
                 return None
-            self._driver = _DriverConnections(self._autocommit_engine)
+            with self._prepare_lock:
+                if self._driver is None:
+                    self._driver = _DriverConnections(self._autocommit_engine)
         return self._driver
+
+    def warm_up(self) -> None:
+        """Check the schema and connect ahead of the first task: on PostgreSQL with psycopg, a
+        spare hot-path connection for the thread that runs the tasks; else a pooled one."""
+        if not self._schema_ready:
+            self._prepare()
+        driver = self._driver_connections()
+        if driver is None:
+            self._transaction("warming up", lambda connection: connection.exec_driver_sql("SELECT 1"))
+            return
+        try:
+            driver.open_spare()
+        except Exception as exc:
+            raise StoreError(f"warming up failed on {self.display_url}: {type(exc).__name__}: {exc}") from exc
 
     def _driver_call(self, operation: str, driver: _DriverConnections, sql: str, params: Mapping[str, Any]) -> Any:
         try:
@@ -1949,6 +2004,7 @@ class SQLAlchemyStore(SlotStore):
         # Connections inherited from the parent must not be used (nor closed) here.
         if self._driver is not None:
             self._driver._forget_inherited()
+        self._prepare_lock = threading.Lock()  # a thread of the parent may have held it
         self._engine.dispose(close=False)
 
     def close(self) -> None:

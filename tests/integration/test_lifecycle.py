@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from celery.result import AsyncResult
 from sqlalchemy.engine import make_url
 
@@ -301,6 +302,36 @@ def test_warm_shutdown_lets_the_task_finish_and_releases(make_fleet: FleetFactor
     assert fleet.record().done[task_id] == 1
     assert result_of(fleet, task_id, timeout=5).state == "SUCCESS"
     assert fleet.leases(slot) == []
+
+
+def test_pool_processes_connect_to_the_store_before_their_first_task(make_fleet: FleetFactory) -> None:
+    # Given a store URL that names its connections, and no connection under that name yet
+    name = f"caps-warm-{uuid.uuid4().hex[:12]}"
+    caps_url = make_url(require_service("postgres")).update_query_dict({"application_name": name})
+    engine = sa.create_engine(require_service("postgres"))
+
+    def connections() -> int:
+        with engine.connect() as connection:
+            query = sa.text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :name")
+            return int(connection.execute(query, {"name": name}).scalar_one())
+
+    redis_url = require_service("redis")
+    fleet = make_fleet(broker=redis_url, backend=redis_url, caps_url=caps_url.render_as_string(hide_password=False))
+    try:
+        assert connections() == 0
+        # When a prefork worker with two pool processes starts (and no task is sent)
+        fleet.start(1, concurrency=2)
+
+        # Then each pool process has connected (schema checked, a connection open for its tasks)
+        wait_for(lambda: connections() >= 2, 20, lambda: f"{connections()} connection(s) after start")
+        assert fleet.record().starts == {}
+        # ... and the first task runs as usual
+        scope = uuid.uuid4().hex[:16]
+        task_id = fleet.app.send_task("fleet.hold", args=[scope, 0.05]).id
+        assert result_of(fleet, task_id).state == "SUCCESS"
+        assert fleet.leases(fleet.slot(f"one:{scope}")) == []
+    finally:
+        engine.dispose()
 
 
 def test_worker_without_caps_url_refuses_to_start(make_fleet: FleetFactory) -> None:

@@ -414,6 +414,36 @@ class _CountingConnection(redis.Connection):
         super().send_command(*args, **kwargs)  # type: ignore[no-untyped-call]
 
 
+def test_warm_up_loads_the_scripts_so_that_a_first_call_after_a_restart_is_one_round_trip(
+    client: redis.Redis,
+) -> None:
+    parts = urlsplit(REDIS_URL)
+    pool = redis.ConnectionPool(
+        connection_class=_CountingConnection, host=parts.hostname or "127.0.0.1", port=parts.port or 6379,
+        db=DEDICATED_DB, password=parts.password,
+    )  # fmt: skip
+    store = RedisStore(redis.Redis(connection_pool=pool), key_prefix=new_key_prefix())
+    try:
+        # Given a server that lost its script cache (a restart without persistence)
+        client.script_flush()
+
+        # When the store warms up (a pool process starting)
+        store.warm_up()
+
+        # Then the first admission and release are one EVALSHA each: no NOSCRIPT, no load
+        _CountingConnection.sent.clear()
+        run_id = new_run_id()
+        assert store.acquire({"licence": 1}, "task-1", run_id, HOLDER, LONG_LEASE) == Admission(True)
+        assert store.release(run_id) == 1
+        assert _CountingConnection.sent == ["EVALSHA", "EVALSHA"]
+    finally:
+        store.close()
+        pool.disconnect()
+        keys = list(client.scan_iter(match=f"{store.key_prefix}*", count=1000))
+        if keys:
+            client.delete(*keys)
+
+
 def test_each_parking_step_is_one_round_trip(client: redis.Redis) -> None:
     parts = urlsplit(REDIS_URL)
     pool = redis.ConnectionPool(

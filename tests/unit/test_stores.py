@@ -20,8 +20,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from celery_caps.caps import MAX_SLOT_LENGTH
+from celery_caps.errors import StoreError
 from celery_caps.stores.base import (
     DISPATCH_HOLDER,
     PARK_ADMITTED,
@@ -36,7 +38,7 @@ from celery_caps.stores.base import (
     StandbyDispatch,
     Woken,
 )
-from tests.services import StoreKind, StoreTarget, own_status
+from tests.services import StoreKind, StoreTarget, own_status, require_service
 
 #: Long enough never to expire during a test, in seconds.
 LONG_LEASE = 120.0
@@ -182,6 +184,65 @@ def test_each_key_has_its_own_slot(store: SlotStore, prefix: str) -> None:
     assert store.release_task(f"{prefix}import-a") == 1
     admit(store, {tenant_a: 1}, f"{prefix}import-a2")
     assert refused_slots(store, {tenant_b: 1}, f"{prefix}import-b2") == {tenant_b}
+
+
+def test_a_store_warmed_up_in_one_thread_serves_the_first_call_of_another(store: SlotStore, prefix: str) -> None:
+    # Given a store warmed up from a thread of its own, as a pool process does when it starts
+    warming = threading.Thread(target=store.warm_up)
+    warming.start()
+    warming.join(30)
+    assert not warming.is_alive()
+
+    # Then the process's first task (another thread) admits and releases as usual
+    run_id = admit(store, {f"{prefix}a": 1}, f"{prefix}t1")
+    assert refused_slots(store, {f"{prefix}a": 1}, f"{prefix}t2") == {f"{prefix}a"}
+    assert store.release(run_id) == 1
+    admit(store, {f"{prefix}a": 1}, f"{prefix}t2")
+
+
+@pytest.mark.postgres
+def test_postgresql_warm_up_connects_ahead_for_the_thread_that_runs_the_tasks(prefix: str) -> None:
+    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+
+    store = SQLAlchemyStore(require_service("postgres"))
+    try:
+        # Given a warm-up from another thread: the schema checked, one hot-path connection open
+        warming = threading.Thread(target=store.warm_up)
+        warming.start()
+        warming.join(30)
+        driver = store._driver_connections()
+        assert driver is not None
+        assert len(driver._open) == 1
+        assert store._schema_ready
+
+        # When the task thread admits, releases and admits again
+        admit(store, {f"{prefix}a": 1}, f"{prefix}t1")
+        store.release(admit(store, {f"{prefix}b": 1}, f"{prefix}t2"))
+
+        # Then it used that connection, and opened none of its own
+        assert len(driver._open) == 1
+        assert driver._spare is None
+        # A second warm-up opens a spare again, for the next thread
+        store.warm_up()
+        assert len(driver._open) == 2
+    finally:
+        with store.engine.begin() as connection:
+            connection.execute(sa.text("DELETE FROM concurrency_slots WHERE slot LIKE :own"), {"own": f"{prefix}%"})
+        store.close()
+
+
+def test_warming_up_an_unreachable_store_raises_a_store_error_naming_no_password() -> None:
+    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+
+    # Nothing listens on port 1 of this machine
+    store = SQLAlchemyStore("postgresql+psycopg://caps:secret-pw@127.0.0.1:1/test")
+    try:
+        with pytest.raises(StoreError) as raised:
+            store.warm_up()
+        assert "secret-pw" not in str(raised.value)
+        assert "127.0.0.1:1" in str(raised.value)
+    finally:
+        store.close()
 
 
 # -- the same task id twice -----------------------------------------------------
