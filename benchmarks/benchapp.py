@@ -10,8 +10,10 @@ Tasks come in pairs that differ only in the cap (``noop`` / ``noop_capped``,
 ``sleep`` / ``sleep_capped``): same app, same worker, same settings.  The
 utilisation tasks write one record per completed run to Redis (the side
 channel): publish time (a message header that put-back copies keep), start and
-end (``time.time()``, one machine), deferrals.  Workers count every message they
-publish (the put-back copies) with ``before_task_publish``.
+end (``time.time()``, one machine), deferrals.  The record is pushed once the run has
+ended (``task_postrun``, after ``CappedTask`` released the slot), so that the benchmark's
+own bookkeeping does not lengthen the slot's occupancy or the hand-over it measures.
+Workers count every message they publish (the put-back copies) with ``before_task_publish``.
 """
 
 from __future__ import annotations
@@ -148,6 +150,9 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
     def sleep_capped(ms: float) -> None:
         time.sleep(ms / 1000)
 
+    # Records of runs whose body ended, pushed by task_postrun (after the slot's release).
+    pending: dict[str, str] = {}
+
     def record(task: Any, tenant: str, ms: float) -> None:
         start = time.time()
         time.sleep(ms / 1000)
@@ -163,8 +168,8 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
             via = "dispatch"
         else:
             via = "admission"
-        line = f"{request.id} {tenant} {published:.6f} {start:.6f} {end:.6f} {deferrals} {os.getpid()} {via}"
-        side.client.rpush(keys["runs"], line)
+        times = f"{published:.6f} {start:.6f} {end:.6f}"
+        pending[request.id] = f"{request.id} {tenant} {times} {deferrals} {os.getpid()} {via}"
 
     @app.task(name="bench.global", base=CappedTask, cap=global_cap, bind=True, shared=False)
     def global_task(self: Any, tenant: str, ms: float) -> None:
@@ -179,6 +184,12 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
 
         # Which celery_caps the workers run (the benchmark checks it is the one it measures).
         side.client.set(keys["library"], str(Path(celery_caps.__file__).resolve()))
+
+        @signals.task_postrun.connect(weak=False)
+        def push_record(task_id: str | None = None, **_: Any) -> None:
+            line = pending.pop(task_id or "", None)
+            if line is not None:
+                side.client.rpush(keys["runs"], line)
 
         @signals.before_task_publish.connect(weak=False)
         def count_publish(sender: Any = None, routing_key: Any = None, **_: Any) -> None:
