@@ -181,6 +181,7 @@ class Woken:
     #: The run id of the dispatch leases (the arriving task claims them with it), or the
     #: mark of ``expire_waiters``/``drain`` (for ``settle_published``).
     run_id: str
+    #: The message (may be empty for a dispatch signalled to its standby: it is not published).
     payload: bytes
     task_name: str | None = None
     #: A dispatch signalled to the waiter's standby process (``await_standby``): not to publish.
