@@ -271,6 +271,35 @@ _PRUNE_BATCH = 500
 # v1 (no task name) stays for workers of older versions; this version creates
 # and calls v2.
 POSTGRESQL_ACQUIRE_FUNCTION = "concurrency_slots_acquire_v2"
+# The admission steps the functions that admit share (acquire, park), over their parameters
+# p_slots/p_limits (sorted slot names and their limits), p_task_id, p_run_id, p_holder,
+# p_lease_seconds, p_task_name, and v_now/v_full: lock the sentinels in slot order (creating
+# missing ones), then the full slots (a slot this task holds already is not full for it), then
+# (if none is full) the leases.
+_PG_LOCK_SENTINELS = """
+    INSERT INTO concurrency_slots (run_id, slot, task_id, holder, slot_limit)
+    SELECT '', u.slot, '', '', u.slot_limit
+    FROM unnest(p_slots, p_limits) AS u(slot, slot_limit) ORDER BY u.slot
+    ON CONFLICT (run_id, slot) DO UPDATE SET slot_limit = EXCLUDED.slot_limit
+    WHERE concurrency_slots.slot_limit IS DISTINCT FROM EXCLUDED.slot_limit;
+"""
+_PG_FULL_SLOTS = f"""
+    v_now := {_NOW["postgresql"]};
+    SELECT coalesce(array_agg(u.slot ORDER BY u.slot), '{{}}') INTO v_full
+    FROM unnest(p_slots, p_limits) AS u(slot, slot_limit)
+    WHERE NOT EXISTS (
+            SELECT 1 FROM concurrency_slots c
+            WHERE c.slot = u.slot AND c.task_id = p_task_id AND c.expires_at > v_now)
+      AND (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
+           WHERE c.slot = u.slot AND c.expires_at > v_now) >= u.slot_limit;
+"""
+_PG_INSERT_LEASES = """
+        INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
+        SELECT p_run_id, u.slot, p_task_id, p_holder, v_now + p_lease_seconds, p_task_name, v_now
+        FROM unnest(p_slots) AS u(slot)
+        ON CONFLICT (run_id, slot) DO UPDATE SET task_id = EXCLUDED.task_id, holder = EXCLUDED.holder,
+            expires_at = EXCLUDED.expires_at, task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at;
+"""
 POSTGRESQL_FUNCTION_DDL = f"""
 CREATE FUNCTION {POSTGRESQL_ACQUIRE_FUNCTION}(
     p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
@@ -280,28 +309,9 @@ DECLARE
     v_full text[];
     v_now double precision;
 BEGIN
-    INSERT INTO concurrency_slots (run_id, slot, task_id, holder, slot_limit)
-    SELECT '', u.slot, '', '', u.slot_limit
-    FROM unnest(p_slots, p_limits) AS u(slot, slot_limit) ORDER BY u.slot
-    ON CONFLICT (run_id, slot) DO UPDATE SET slot_limit = EXCLUDED.slot_limit
-    WHERE concurrency_slots.slot_limit IS DISTINCT FROM EXCLUDED.slot_limit;
-
-    v_now := {_NOW["postgresql"]};
-    SELECT coalesce(array_agg(u.slot ORDER BY u.slot), '{{}}') INTO v_full
-    FROM unnest(p_slots, p_limits) AS u(slot, slot_limit)
-    WHERE NOT EXISTS (
-            SELECT 1 FROM concurrency_slots c
-            WHERE c.slot = u.slot AND c.task_id = p_task_id AND c.expires_at > v_now)
-      AND (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
-           WHERE c.slot = u.slot AND c.expires_at > v_now) >= u.slot_limit;
-
+{_PG_LOCK_SENTINELS}{_PG_FULL_SLOTS}
     IF cardinality(v_full) = 0 THEN
-        INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
-        SELECT p_run_id, u.slot, p_task_id, p_holder, v_now + p_lease_seconds, p_task_name, v_now
-        FROM unnest(p_slots) AS u(slot)
-        ON CONFLICT (run_id, slot) DO UPDATE SET task_id = EXCLUDED.task_id, holder = EXCLUDED.holder,
-            expires_at = EXCLUDED.expires_at, task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at;
-    END IF;
+{_PG_INSERT_LEASES}    END IF;
     RETURN v_full;
 END $$
 """
@@ -542,6 +552,50 @@ BEGIN
     END IF;
 END $$
 """
+# Park (the park strategy's admission) in one round trip: admission's steps, then, with a slot
+# full, the task's waiting entries (one per slot, at the store's clock), unless it waits already
+# (a duplicate waits once) or a slot's list holds p_max_waiters.  Returns the outcome (the
+# PARK_* names); with p_admit false a task with room takes nothing ('room').
+POSTGRESQL_PARK_FUNCTION = "concurrency_slots_park_v1"
+POSTGRESQL_PARK_FUNCTION_DDL = f"""
+CREATE FUNCTION {POSTGRESQL_PARK_FUNCTION}(
+    p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
+    p_lease_seconds double precision, p_task_name text, p_payload bytea,
+    p_first_deferred_at double precision, p_max_waiters integer, p_admit boolean
+) RETURNS text LANGUAGE plpgsql VOLATILE {_GENERIC_PLANS} AS $$
+DECLARE
+    v_full text[];
+    v_now double precision;
+BEGIN
+{_PG_LOCK_SENTINELS}{_PG_FULL_SLOTS}
+    IF cardinality(v_full) = 0 THEN
+        IF NOT p_admit THEN
+            RETURN '{PARK_ROOM}';
+        END IF;
+{_PG_INSERT_LEASES}        RETURN '{PARK_ADMITTED}';
+    END IF;
+    IF EXISTS (SELECT 1 FROM concurrency_waiters w WHERE w.task_id = p_task_id) THEN
+        RETURN '{PARK_PARKED}';
+    END IF;
+    IF EXISTS (
+        SELECT 1 FROM unnest(p_slots) AS u(slot)
+        WHERE (SELECT count(*) FROM (
+                  SELECT 1 FROM concurrency_waiters w WHERE w.slot = u.slot LIMIT p_max_waiters) n
+              ) >= p_max_waiters)
+    THEN
+        RETURN '{PARK_LIST_FULL}';
+    END IF;
+    INSERT INTO concurrency_waiters
+        (slot, task_id, slot_limit, slot_count, first_deferred_at, parked_at, task_name, payload)
+    SELECT u.slot, p_task_id, u.slot_limit, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_payload
+    FROM unnest(p_slots, p_limits) AS u(slot, slot_limit);
+    RETURN '{PARK_PARKED}';
+END $$
+"""
+_CALL_PARK_FUNCTION_DRIVER = (
+    f"SELECT {POSTGRESQL_PARK_FUNCTION}(%(slots)s, %(limits)s, %(task_id)s, %(run_id)s, %(holder)s, "
+    "%(lease_seconds)s, %(task_name)s, %(payload)s, %(first_deferred_at)s, %(max_waiters)s, %(admit)s)"
+)
 _CALL_RELEASE_AND_WAKE_FUNCTION_DRIVER = (
     "SELECT o_deleted, o_task_id, o_run_id, o_payload, o_task_name, o_standby "
     f"FROM {POSTGRESQL_RELEASE_AND_WAKE_FUNCTION}(%(run_id)s, %(dispatch_lease_seconds)s)"
@@ -927,6 +981,7 @@ class SQLAlchemyStore(SlotStore):
         self._use_acquire_function = False
         self._use_release_function = False
         self._use_release_and_wake_function = False
+        self._use_park_function = False
         # Whether concurrency_standby is there (PostgreSQL only); known after _prepare.
         self._standby_table = False
         self._driver: _DriverConnections | None = None
@@ -1102,6 +1157,7 @@ class SQLAlchemyStore(SlotStore):
                     (POSTGRESQL_ACQUIRE_FUNCTION, POSTGRESQL_FUNCTION_DDL),
                     (POSTGRESQL_RELEASE_FUNCTION, POSTGRESQL_RELEASE_FUNCTION_DDL),
                     (POSTGRESQL_RELEASE_AND_WAKE_FUNCTION, POSTGRESQL_RELEASE_AND_WAKE_FUNCTION_DDL),
+                    (POSTGRESQL_PARK_FUNCTION, POSTGRESQL_PARK_FUNCTION_DDL),
                 ):
                     with self._engine.begin() as connection:
                         name = {"name": function}
@@ -1175,9 +1231,13 @@ class SQLAlchemyStore(SlotStore):
                             sa.text(_FUNCTION_EXISTS), {"name": POSTGRESQL_RELEASE_AND_WAKE_FUNCTION}
                         ).scalar()
                     )
+                    park_function = connection.execute(
+                        sa.text(_FUNCTION_EXISTS), {"name": POSTGRESQL_PARK_FUNCTION}
+                    ).scalar()
             except sa.exc.SQLAlchemyError as exc:
                 raise self._wrap("checking the schema", exc) from exc
             self._use_acquire_function = bool(found) and not missing
+            self._use_park_function = bool(park_function) and not missing
             self._standby_table = self._has_table(STANDBY_TABLE_NAME)
             if not found:
                 logger.info(
@@ -1565,6 +1625,15 @@ class SQLAlchemyStore(SlotStore):
         if not admit and not self._full_now(slots, params):
             # A task being sent to a cap with room (the common case) costs one read, no lock.
             return PARK_ROOM
+        driver = self._driver_connections() if self._use_park_function else None
+        if driver is not None:
+            call = {
+                "slots": ordered, "limits": [slots[slot] for slot in ordered], "task_id": task_id,
+                "run_id": run_id, "holder": holder, "lease_seconds": lease_seconds, "task_name": task_name,
+                "payload": payload, "first_deferred_at": first_deferred_at, "max_waiters": max_waiters,
+                "admit": admit,
+            }  # fmt: skip
+            return str(self._driver_call("park", driver, _CALL_PARK_FUNCTION_DRIVER, call).fetchone()[0])
 
         def park(connection: Connection) -> str:
             # The same locks and count as acquire: parking is atomic with admission.
