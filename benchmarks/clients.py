@@ -716,8 +716,12 @@ def _measure(
     }
 
 
+#: The store's tables on PostgreSQL (the waiting list and standby records churn like the leases).
+STORE_TABLES = ("concurrency_slots", "concurrency_waiters", "concurrency_standby")
+
+
 def vacuum_database(url: str, *, full: bool = False) -> None:
-    """``VACUUM ANALYZE`` (``full``: ``VACUUM FULL ANALYZE``) the slot table and the naive
+    """``VACUUM ANALYZE`` (``full``: ``VACUUM FULL ANALYZE``) the store's tables and the naive
     peer's tables of a PostgreSQL benchmark database.
 
     Every admission leaves a dead row behind when it is released; until a vacuum
@@ -735,7 +739,7 @@ def vacuum_database(url: str, *, full: bool = False) -> None:
     try:
         with engine.connect() as connection:
             rewritten = False
-            for table in ("concurrency_slots", "bench_naive_leases", "bench_naive_sentinels"):
+            for table in (*STORE_TABLES, "bench_naive_leases", "bench_naive_sentinels"):
                 if not sa.inspect(connection).has_table(table):
                     continue
                 size = connection.exec_driver_sql(f"SELECT pg_total_relation_size('{table}')").scalar() or 0

@@ -718,31 +718,88 @@ _TAKE_STANDBY = (
     "WHERE task_id = :task_id AND dispatch_run_id IS NULL AND expires_at > {now} RETURNING mark) "
     "SELECT pg_notify(:channel, taken.mark || ' ' || :run_id || ' dispatched') FROM taken"
 )
-_DELETE_EXPIRED_STANDBY = "DELETE FROM concurrency_standby WHERE expires_at <= {now}"
-_LIVE_STANDBY_COUNT = "SELECT count(*) FROM concurrency_standby WHERE dispatch_run_id IS NULL"
-# The head of a slot's waiting list, each waiter with its live standby's mark (or NULL).
-_STANDBY_HEAD = (
-    "SELECT w.task_id, w.slot_limit, w.task_name, s.mark FROM concurrency_waiters w "
-    "LEFT JOIN concurrency_standby s ON s.task_id = w.task_id AND s.dispatch_run_id IS NULL "
-    "WHERE w.slot = :slot AND w.dispatch_run_id IS NULL "
-    "ORDER BY w.first_deferred_at, w.parked_at, w.task_id LIMIT :scan"
-)
-# The chosen waiters still waiting, locked; a waiter locked by a release dispatching it, or
-# by another stand_by choosing it, is skipped.  Locked here, a waiter's dispatch waits for
-# this to commit, and then sees its standby.
-_LOCK_STANDBY_CHOSEN = (
-    "SELECT task_id FROM concurrency_waiters WHERE task_id IN :task_ids AND dispatch_run_id IS NULL "
-    "FOR UPDATE SKIP LOCKED"
-)
-# Taken or expired records of waiters put on standby again.
-_CLEAR_STANDBY = (
-    "DELETE FROM concurrency_standby WHERE task_id IN :task_ids "
-    "AND (dispatch_run_id IS NOT NULL OR expires_at <= {now})"
-)
-# (Standby is PostgreSQL's only: ON CONFLICT skips a waiter another release just put on standby.)
-_INSERT_STANDBY = (
-    "INSERT INTO concurrency_standby (task_id, mark, expires_at) VALUES (:task_id, :mark, {now} + :hold_seconds) "
-    "ON CONFLICT (task_id) DO NOTHING RETURNING task_id"
+# Putting waiters on standby, in one round trip (``SQLAlchemyStore.stand_by``): drop expired
+# records; for each slot of p_slots (sorted), read the head of its waiting list (p_per_slot + 16
+# rows), each waiter with its live standby's mark, and choose its oldest waiters without one
+# until min(p_per_slot, the slot's limit) of them are on standby, never more than p_max_total
+# live standbys in all; lock the chosen waiters still waiting (SKIP LOCKED: one a release is
+# dispatching, or another stand_by choosing, is left out; locked here, a waiter's dispatch waits
+# for this to commit and then sees its standby); replace their taken or expired records and
+# insert new ones (ON CONFLICT: skip a waiter another release just put on standby).  One row per
+# new standby, in the order chosen: its task id, mark, payload and task name.
+POSTGRESQL_STAND_BY_FUNCTION = "concurrency_slots_stand_by_v1"
+POSTGRESQL_STAND_BY_FUNCTION_DDL = f"""
+CREATE FUNCTION {POSTGRESQL_STAND_BY_FUNCTION}(
+    p_slots text[], p_per_slot integer, p_max_total integer, p_hold_seconds double precision
+) RETURNS TABLE (o_task_id text, o_mark text, o_payload bytea, o_task_name text)
+LANGUAGE plpgsql VOLATILE {_GENERIC_PLANS} AS $$
+DECLARE
+    v_now double precision := {_NOW["postgresql"]};
+    v_room integer;
+    v_slot text;
+    v_wanted integer;
+    v_ids text[];
+    v_head_names text[];
+    v_marked boolean[];
+    v_limit integer;
+    v_chosen text[] := '{{}}';
+    v_names text[] := '{{}}';
+    v_locked text[];
+BEGIN
+    DELETE FROM concurrency_standby s WHERE s.expires_at <= v_now;
+    v_room := p_max_total - (SELECT count(*) FROM concurrency_standby s WHERE s.dispatch_run_id IS NULL);
+    FOREACH v_slot IN ARRAY p_slots LOOP
+        EXIT WHEN v_room <= cardinality(v_chosen);
+        SELECT coalesce(array_agg(h.task_id ORDER BY h.n), '{{}}'),
+               coalesce(array_agg(h.task_name ORDER BY h.n), '{{}}'),
+               coalesce(array_agg(h.mark IS NOT NULL ORDER BY h.n), '{{}}'),
+               (array_agg(h.slot_limit ORDER BY h.n))[1]
+        INTO v_ids, v_head_names, v_marked, v_limit
+        FROM (
+            SELECT w.task_id, w.slot_limit, w.task_name, s.mark,
+                row_number() OVER (ORDER BY w.first_deferred_at, w.parked_at, w.task_id) AS n
+            FROM concurrency_waiters w
+            LEFT JOIN concurrency_standby s ON s.task_id = w.task_id AND s.dispatch_run_id IS NULL
+            WHERE w.slot = v_slot AND w.dispatch_run_id IS NULL
+            ORDER BY w.first_deferred_at, w.parked_at, w.task_id LIMIT p_per_slot + 16) h;
+        CONTINUE WHEN cardinality(v_ids) = 0;
+        v_wanted := least(p_per_slot, v_limit) - cardinality(array_positions(v_marked, true));
+        FOR i IN 1 .. cardinality(v_ids) LOOP
+            EXIT WHEN v_wanted <= 0 OR v_room <= cardinality(v_chosen);
+            IF NOT v_marked[i] AND NOT (v_ids[i] = ANY(v_chosen)) THEN
+                v_chosen := v_chosen || v_ids[i];
+                v_names := v_names || v_head_names[i];
+                v_wanted := v_wanted - 1;
+            END IF;
+        END LOOP;
+    END LOOP;
+    IF cardinality(v_chosen) = 0 THEN
+        RETURN;
+    END IF;
+    SELECT coalesce(array_agg(l.task_id), '{{}}') INTO v_locked FROM (
+        SELECT w.task_id FROM concurrency_waiters w
+        WHERE w.task_id = ANY(v_chosen) AND w.dispatch_run_id IS NULL
+        FOR UPDATE SKIP LOCKED) l;
+    DELETE FROM concurrency_standby s
+    WHERE s.task_id = ANY(v_locked) AND (s.dispatch_run_id IS NOT NULL OR s.expires_at <= v_now);
+    FOR i IN 1 .. cardinality(v_chosen) LOOP
+        CONTINUE WHEN NOT (v_chosen[i] = ANY(v_locked));
+        o_mark := md5(random()::text || clock_timestamp()::text || v_chosen[i]);
+        INSERT INTO concurrency_standby (task_id, mark, expires_at)
+        VALUES (v_chosen[i], o_mark, v_now + p_hold_seconds)
+        ON CONFLICT (task_id) DO NOTHING;
+        IF FOUND THEN
+            o_task_id := v_chosen[i];
+            o_task_name := v_names[i];
+            SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = o_task_id LIMIT 1;
+            RETURN NEXT;
+        END IF;
+    END LOOP;
+END $$
+"""
+_CALL_STAND_BY_FUNCTION_DRIVER = (
+    "SELECT o_task_id, o_mark, o_payload, o_task_name "
+    f"FROM {POSTGRESQL_STAND_BY_FUNCTION}(%(slots)s, %(per_slot)s, %(max_total)s, %(hold_seconds)s)"
 )
 # The waiting process's side, on its own thread's driver connection (psycopg's style).
 _STANDBY_RECORD_DRIVER = "SELECT mark, dispatch_run_id, holder FROM concurrency_standby WHERE task_id = %(task_id)s"
@@ -755,8 +812,6 @@ _END_STANDBY_DRIVER = (
     "DELETE FROM concurrency_standby WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
 )
 _STANDBYS = "SELECT task_id, holder, dispatch_run_id, expires_at - {now} FROM concurrency_standby ORDER BY task_id"
-#: Waiting rows of a slot read when choosing standbys, beyond the bound itself.
-_STANDBY_SCAN_EXTRA = 16
 
 
 def standby_channel(task_id: str) -> str:
@@ -888,6 +943,12 @@ class _DriverConnections:
     def listening(self, channel: str, work: Callable[[Any], _T]) -> _T:
         """``work(psycopg connection)`` while this thread's connection listens to ``channel``.
 
+        The connection stops listening to its earlier channel in the same round trip as it
+        starts listening to this one, and goes on listening afterwards: an UNLISTEN once the
+        signal came would cost a round trip between the signal and the task it starts.  (A
+        notification on a channel no longer waited for waits in psycopg's backlog until the
+        next wait, which drops it: one per standby at most.)
+
         Raises the driver's error after invalidating the connection.
         """
         from psycopg import sql
@@ -895,11 +956,8 @@ class _DriverConnections:
         fairy = self._connection()
         connection = fairy.driver_connection
         try:
-            connection.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-            try:
-                return work(connection)
-            finally:
-                connection.execute(sql.SQL("UNLISTEN {}").format(sql.Identifier(channel)))
+            connection.execute(sql.SQL("UNLISTEN *; LISTEN {}").format(sql.Identifier(channel)))
+            return work(connection)
         except self._error:
             self._drop(fairy)
             raise
@@ -982,6 +1040,7 @@ class SQLAlchemyStore(SlotStore):
         self._use_release_function = False
         self._use_release_and_wake_function = False
         self._use_park_function = False
+        self._use_stand_by_function = False
         # Whether concurrency_standby is there (PostgreSQL only); known after _prepare.
         self._standby_table = False
         self._driver: _DriverConnections | None = None
@@ -1047,12 +1106,6 @@ class SQLAlchemyStore(SlotStore):
             "waiters_all": _WAITERS_LIST.replace("{slot_filter}", ""),
             "waiters_slot": _WAITERS_LIST.replace("{slot_filter}", "WHERE slot = :slot"),
             "take_standby": _TAKE_STANDBY,
-            "delete_expired_standby": _DELETE_EXPIRED_STANDBY,
-            "live_standby_count": _LIVE_STANDBY_COUNT,
-            "standby_head": _STANDBY_HEAD,
-            "lock_standby_chosen": _LOCK_STANDBY_CHOSEN,
-            "clear_standby": _CLEAR_STANDBY,
-            "insert_standby": _INSERT_STANDBY,
             "standbys": _STANDBYS,
         }
         statements = {}
@@ -1158,6 +1211,7 @@ class SQLAlchemyStore(SlotStore):
                     (POSTGRESQL_RELEASE_FUNCTION, POSTGRESQL_RELEASE_FUNCTION_DDL),
                     (POSTGRESQL_RELEASE_AND_WAKE_FUNCTION, POSTGRESQL_RELEASE_AND_WAKE_FUNCTION_DDL),
                     (POSTGRESQL_PARK_FUNCTION, POSTGRESQL_PARK_FUNCTION_DDL),
+                    (POSTGRESQL_STAND_BY_FUNCTION, POSTGRESQL_STAND_BY_FUNCTION_DDL),
                 ):
                     with self._engine.begin() as connection:
                         name = {"name": function}
@@ -1234,6 +1288,9 @@ class SQLAlchemyStore(SlotStore):
                     park_function = connection.execute(
                         sa.text(_FUNCTION_EXISTS), {"name": POSTGRESQL_PARK_FUNCTION}
                     ).scalar()
+                    self._use_stand_by_function = bool(
+                        connection.execute(sa.text(_FUNCTION_EXISTS), {"name": POSTGRESQL_STAND_BY_FUNCTION}).scalar()
+                    )
             except sa.exc.SQLAlchemyError as exc:
                 raise self._wrap("checking the schema", exc) from exc
             self._use_acquire_function = bool(found) and not missing
@@ -1991,61 +2048,25 @@ class SQLAlchemyStore(SlotStore):
     @property
     def supports_standby(self) -> bool:  # type: ignore[override]
         """PostgreSQL through psycopg (LISTEN/NOTIFY on the hot path's connections), not under
-        green threads, with ``concurrency_standby`` in the schema."""
+        green threads, with ``concurrency_standby`` and the stand-by function in the schema."""
         if self.dialect != "postgresql":
             return False
         if not self._schema_ready:
             self._prepare()
-        return self._standby_table and self._driver_connections() is not None
+        return self._standby_table and self._use_stand_by_function and self._driver_connections() is not None
 
     def stand_by(self, slots: Collection[str], per_slot: int, max_total: int, hold_seconds: float) -> list[Woken]:
-        if not self.supports_standby or per_slot <= 0 or max_total <= 0:
+        driver = self._driver_connections() if self.supports_standby else None
+        if driver is None or per_slot <= 0 or max_total <= 0:
             return []
-        statements = self._parking
-
-        def stand_by(connection: Connection) -> list[Woken]:
-            connection.execute(statements["delete_expired_standby"])
-            room = max_total - int(connection.execute(statements["live_standby_count"]).scalar_one())
-            chosen: dict[str, str | None] = {}
-            for slot in sorted(set(slots)):
-                if room <= len(chosen):
-                    break
-                head = connection.execute(
-                    statements["standby_head"], {"slot": slot, "scan": per_slot + _STANDBY_SCAN_EXTRA}
-                ).all()
-                if not head:
-                    continue
-                wanted = min(per_slot, int(head[0][1])) - sum(1 for row in head if row[3] is not None)
-                for task_id, _limit, task_name, mark in head:
-                    if wanted <= 0 or room <= len(chosen):
-                        break
-                    if mark is None and _as_text(task_id) not in chosen:
-                        chosen[_as_text(task_id)] = task_name
-                        wanted -= 1
-            if not chosen:
-                return []
-            locked = {
-                _as_text(row[0])
-                for row in connection.execute(statements["lock_standby_chosen"], {"task_ids": list(chosen)})
-            }
-            chosen = {task_id: name for task_id, name in chosen.items() if task_id in locked}
-            if not chosen:
-                return []
-            connection.execute(statements["clear_standby"], {"task_ids": list(chosen)})
-            marks = {}
-            for task_id in chosen:
-                mark = uuid.uuid4().hex
-                params = {"task_id": task_id, "mark": mark, "hold_seconds": hold_seconds}
-                if connection.execute(statements["insert_standby"], params).first() is not None:
-                    marks[task_id] = mark
-            if not marks:
-                return []
-            payloads: dict[str, bytes] = {}
-            for task_id, payload in connection.execute(statements["payloads"], {"task_ids": list(marks)}):
-                payloads.setdefault(_as_text(task_id), bytes(payload))
-            return [Woken(task_id, mark, payloads[task_id], chosen[task_id]) for task_id, mark in marks.items()]
-
-        return self._transaction("stand_by", stand_by)
+        params = {
+            "slots": sorted(set(slots)),
+            "per_slot": per_slot,
+            "max_total": max_total,
+            "hold_seconds": hold_seconds,
+        }
+        rows = self._driver_call("stand_by", driver, _CALL_STAND_BY_FUNCTION_DRIVER, params).fetchall()
+        return [Woken(str(task_id), str(mark), bytes(payload), task_name) for task_id, mark, payload, task_name in rows]
 
     def standbys(self) -> list[Standby]:
         if not self.supports_standby:
