@@ -512,16 +512,26 @@ class CappedTask(Task):  # type: ignore[misc]
         holder: str,
         deferrals: int,
     ) -> str | None:
-        """A woken task: claim the dispatch leases its releaser took for it; None if they expired."""
+        """A woken task, or one that took its slots when sent: claim the dispatch leases taken
+        for it; None if they expired.
+
+        A task that took its slots when sent, with tasks waiting behind it, puts the next of them
+        on standby as it starts (in the background): the first hand-over of a burst then goes
+        through a standby too.  (A woken task's releaser did that already.)
+        """
         try:
-            claimed = runtime.store.claim(request.id, dispatch_run_id, holder, runtime.settings.lease_seconds)
+            claimed = runtime.store.claim_dispatch(request.id, dispatch_run_id, holder, runtime.settings.lease_seconds)
         except StoreError as exc:
             logger.warning("%s[%s]: could not claim its dispatched slots (%s)", self.name, request.id, exc)
             return None
-        if claimed == len(slots):
+        if claimed.leases == len(slots):
             runtime.hold(dispatch_run_id, request.id, slots, holder, self.name, deferrals)
+            routing_key = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+            woken = isinstance(routing_key, str) and is_wake_queue(routing_key)
+            if claimed.waiters_behind and not woken:
+                runtime.stand_by_soon(self.name, list(slots))
             return str(dispatch_run_id)
-        if claimed:
+        if claimed.leases:
             # Part of the dispatch expired: give the rest back and be admitted as usual.
             try:
                 release_and_wake(runtime, dispatch_run_id)

@@ -108,6 +108,9 @@ class CapsRuntime:
             self.history = HistoryRecorder(self.settings.history_seconds, self.settings.history_max_events)
         #: Whether this worker sends task events (-E); set by the worker's bootstep.
         self.send_events = False
+        # How long the last run of each task name took in this process, in seconds: a run
+        # starting with tasks waiting behind it puts them on standby only if runs are short.
+        self._run_seconds: dict[str | None, float] = {}
 
     # -- process life -------------------------------------------------------------
 
@@ -249,6 +252,7 @@ class CapsRuntime:
             run = self._held.pop(run_id, None)
         if run is None:
             return
+        self._run_seconds[run.task_name] = time.time() - run.started_at
         self.metrics.released(run.slots)
         if self.history is not None:
             self.history.add(
@@ -410,10 +414,25 @@ class CapsRuntime:
                     self._keeper = LeaseKeeper(self)
                     self._keeper.start()
 
+    def stand_by_soon(self, task_name: str | None, slots: Sequence[str]) -> None:
+        """A run of ``task_name`` started with tasks waiting behind it: put the next of them on
+        standby, in the background (see :func:`celery_caps.parking.stand_by`), unless this
+        process saw that task's last run take too long for a standby to pay (a first run counts
+        as short)."""
+        ran_seconds = self._run_seconds.get(task_name, 0.0)
+        self.in_background(
+            "putting waiters on standby",
+            lambda: len(parking.stand_by(self, slots, ran_seconds)),
+            after_failure="they are published when woken",
+        )
+
     # -- work for the worker's main process --------------------------------------
 
-    def in_background(self, description: str, work: Callable[[], int]) -> None:
-        """Run a store call off the event loop; errors are logged, never raised."""
+    def in_background(
+        self, description: str, work: Callable[[], int], after_failure: str = "the leases expire by themselves"
+    ) -> None:
+        """Run a store call off the event loop (or off a task's thread); errors are logged, never
+        raised.  ``work`` returns a count, logged at debug level."""
         self._check_fork()
         if self._background is None:
             with self._lock:
@@ -422,10 +441,10 @@ class CapsRuntime:
 
         def run() -> None:
             try:
-                deleted = work()
-                logger.debug("%s: %d lease(s) released", description, deleted)
+                done = work()
+                logger.debug("%s: done (%d)", description, done)
             except Exception as exc:
-                logger.warning("%s failed (%s); the leases expire by themselves", description, exc)
+                logger.warning("%s failed (%s); %s", description, exc, after_failure)
 
         self._background.submit(run)
 

@@ -213,6 +213,17 @@ class StandbyDispatch:
 
 
 @dataclass(frozen=True)
+class Claimed:
+    """What :meth:`SlotStore.claim_dispatch` did."""
+
+    #: How many leases were claimed (0: the dispatch expired; admit as usual).
+    leases: int
+    #: Other tasks still wait for one of the claimed slots (read in the same step; a hint for
+    #: putting the next of them on standby while this run is young).
+    waiters_behind: bool = False
+
+
+@dataclass(frozen=True)
 class Waiter:
     """One parked task's entry for one slot, as operators see it."""
 
@@ -398,6 +409,11 @@ class SlotStore(abc.ABC):
         Returns how many leases were claimed (0: the dispatch expired; admit as usual).
         """
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
+
+    def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
+        """:meth:`claim`, also telling whether other tasks still wait for one of the claimed
+        slots.  The default claims and answers no; a store with standby should override it."""
+        return Claimed(self.claim(task_id, run_id, holder, lease_seconds))
 
     def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
         """Put waiters whose dispatch lease expired unclaimed back to waiting (same place),

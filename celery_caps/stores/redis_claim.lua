@@ -3,7 +3,8 @@
 --
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
 -- ARGV: prefix, task id, run id (of the dispatch), holder, lease seconds
--- Returns how many leases were claimed (0: the dispatch expired; admit as usual).
+-- Returns { how many leases were claimed (0: the dispatch expired; admit as usual),
+-- 1 if other tasks still wait for one of the claimed slots else 0 }.
 
 local runs_key, expiry_key = KEYS[2], KEYS[3]
 local keys = waitlist_keys()
@@ -24,4 +25,13 @@ local record = read_waiter(keys.waiting, task_id)
 if record ~= nil then
   remove_waiter(prefix, keys, task_id, record)
 end
-return claimed
+local behind = 0
+if claimed > 0 then
+  for i = 3, #run do
+    if redis.call('EXISTS', slot_key(prefix, run[i], 'waiters')) == 1 then
+      behind = 1
+      break
+    end
+  end
+end
+return { claimed, behind }

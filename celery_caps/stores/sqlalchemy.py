@@ -62,6 +62,7 @@ from .base import (
     PARK_PARKED,
     PARK_ROOM,
     Admission,
+    Claimed,
     HistoryEvent,
     Lease,
     SlotStatus,
@@ -668,6 +669,16 @@ _CLAIM_DRIVER = (
     f"WHERE run_id = %(run_id)s AND task_id = %(task_id)s AND expires_at > {_NOW['postgresql']} RETURNING 1), "
     "unlisted AS (DELETE FROM concurrency_waiters WHERE task_id = %(task_id)s) "
     "SELECT count(*) FROM claimed"
+)
+# The same, also telling whether other tasks wait (not dispatched) for one of the claimed slots
+# (the statement's snapshot still has this task's waiting rows: they are left out).
+_CLAIM_DISPATCH_DRIVER = (
+    "WITH claimed AS (UPDATE concurrency_slots SET holder = %(holder)s, "
+    f"expires_at = {_NOW['postgresql']} + %(lease_seconds)s "
+    f"WHERE run_id = %(run_id)s AND task_id = %(task_id)s AND expires_at > {_NOW['postgresql']} RETURNING slot), "
+    "unlisted AS (DELETE FROM concurrency_waiters WHERE task_id = %(task_id)s) "
+    "SELECT (SELECT count(*) FROM claimed), EXISTS (SELECT 1 FROM concurrency_waiters w "
+    "WHERE w.slot IN (SELECT slot FROM claimed) AND w.dispatch_run_id IS NULL AND w.task_id <> %(task_id)s)"
 )
 _EXPIRED_DISPATCHES = (
     "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters WHERE dispatch_expires_at <= {now}"
@@ -1930,6 +1941,14 @@ class SQLAlchemyStore(SlotStore):
             return int(claimed)
 
         return self._transaction("claim", claim, attempts=_ACQUIRE_ATTEMPTS)
+
+    def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
+        driver = self._driver_connections() if self._schema_ready else None
+        if driver is None:
+            return super().claim_dispatch(task_id, run_id, holder, lease_seconds)
+        params = {"task_id": task_id, "run_id": run_id, "holder": holder, "lease_seconds": lease_seconds}
+        leases, behind = self._driver_call("claim", driver, _CLAIM_DISPATCH_DRIVER, params).fetchone()
+        return Claimed(int(leases), bool(behind))
 
     def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
         statements = self._parking

@@ -31,6 +31,7 @@ from celery_caps.stores.base import (
     PARK_PARKED,
     PARK_ROOM,
     Admission,
+    Claimed,
     HistoryEvent,
     Lease,
     SlotStatus,
@@ -1153,6 +1154,28 @@ def test_no_key_starves_under_a_global_cap_with_uneven_load(store: SlotStore, pr
     # (key a holds one slot of two at a time: the others alternate with it, not wait for it)
     assert max(served.index("c0"), served.index("b2")) < served.index("a5"), served
     assert store.waiters() == [] or all(not w.slot.startswith(prefix) for w in store.waiters())
+
+
+def test_claiming_a_dispatch_tells_whether_tasks_wait_behind_it(store: SlotStore, prefix: str) -> None:
+    # Given a running task with two tasks waiting behind it
+    slot = f"{prefix}s"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    for order, task in enumerate(("a", "b")):
+        assert park(store, {slot: 1}, f"{prefix}{task}", float(order + 1)) == PARK_PARKED
+
+    # When the first waiter is woken and claims its dispatch
+    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
+    claimed = store.claim_dispatch(woken.task_id, woken.run_id, HOLDER, LONG_LEASE)
+
+    # Then it holds its slot, and a store with standby says a task waits behind it
+    assert claimed == Claimed(1, waiters_behind=store.supports_standby)
+    assert [lease.task_id for lease in store.leases(slot)] == [f"{prefix}a"]
+    # ... and the last one claims with nobody behind it
+    _, [last] = store.release_and_wake(woken.run_id, DISPATCH_LEASE)
+    assert store.claim_dispatch(last.task_id, last.run_id, HOLDER, LONG_LEASE) == Claimed(1, False)
+    assert store.waiters(slot) == []
+    # A dispatch that is gone claims nothing
+    assert store.claim_dispatch(last.task_id, "no-such-run", HOLDER, LONG_LEASE) == Claimed(0, False)
 
 
 def test_an_unclaimed_dispatch_is_dispatched_again_after_it_expires(store: SlotStore, prefix: str) -> None:
