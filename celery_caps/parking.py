@@ -83,7 +83,10 @@ release took it first and it runs).  A standby process that dies is ended by the
 main process (:func:`end_standby`; leases created in its name go with its other leases),
 and the task, still listed as dispatched, is dispatched again by the sweep.  Standbys are
 only taken by a release whose run lasted under half of ``caps_standby_seconds``: for long
-tasks the hand-over is no cost worth a blocked pool process.
+tasks the hand-over is no cost worth a blocked pool process.  A burst's first hand-over has no
+release before it: a task that took its slots when sent, whose claim sees tasks waiting behind it
+(``SlotStore.claim_dispatch``), puts them on standby as it starts, in the background
+(``CapsRuntime.stand_by_soon``), unless the last run of its task in that process was long.
 
 Choosing.  ``caps_strategy`` is ``"park"`` (default) or ``"backoff"``, or a mapping
 ``{"default": ..., "<cap name>": ...}`` choosing per cap; a task parks when any of

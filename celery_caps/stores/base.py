@@ -95,6 +95,12 @@ worker process that waits for it, instead of the releaser publishing the message
     for the signal until ``timeout`` and returns the dispatch.  On timeout the standby ends, in
     one step against the release: either it ends (None: the copy is dropped, the
     waiter waits on in the list) or a release took it first (its run id).
+``claim_dispatch``
+    ``claim``, also answering whether other tasks still wait for the claimed slots (in the
+    same step), so that a run that starts with waiters behind it can put them on standby.
+
+``warm_up`` (any store) prepares what a first call would (schema, scripts) and connects
+ahead of use; a worker's pool processes call it when they start.
 """
 
 from __future__ import annotations
