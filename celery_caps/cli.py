@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
 
     from .settings import CapsSettings
-    from .stores.base import HistoryEvent, Lease, SlotStatus, SlotStore, Waiter
+    from .stores.base import HistoryEvent, Lease, SlotStatus, SlotStore, Standby, Waiter
 
 _T = TypeVar("_T")
 
@@ -117,6 +117,17 @@ class Operator:
         if not self.store.supports_parking:
             return []
         return _guard(lambda: self.store.waiters(slot))
+
+    def standbys(self) -> dict[str, Standby]:
+        """The waiters on standby now (not yet taken by a release), by task id; empty for a
+        store without standby."""
+        if not self.store.supports_standby:
+            return {}
+        return {
+            standby.task_id: standby
+            for standby in _guard(self.store.standbys)
+            if not standby.taken and standby.expires_in > 0
+        }
 
 
 def registered_caps(app: Celery) -> dict[str, CapInfo]:
@@ -416,7 +427,15 @@ def _lease_table(leases: Iterable[Lease], title: str | None = None) -> Any:
     return table
 
 
-def _waiter_json(waiter: Waiter, now: float) -> dict[str, Any]:
+def _waiter_state(waiter: Waiter, standbys: Mapping[str, Standby]) -> str:
+    """``dispatched``, ``standby`` (a copy waits in a pool process, or is on its way to one) or ``waiting``."""
+    if waiter.dispatched:
+        return "dispatched"
+    return "standby" if waiter.task_id in standbys else "waiting"
+
+
+def _waiter_json(waiter: Waiter, now: float, standbys: Mapping[str, Standby]) -> dict[str, Any]:
+    standby = standbys.get(waiter.task_id)
     return {
         "slot": waiter.slot,
         "position": waiter.position,
@@ -425,11 +444,13 @@ def _waiter_json(waiter: Waiter, now: float) -> dict[str, Any]:
         "first_deferred_at": waiter.first_deferred_at,
         "waited_seconds": max(now - waiter.first_deferred_at, 0.0),
         "parked_seconds": waiter.age,
-        "state": "dispatched" if waiter.dispatched else "waiting",
+        "state": _waiter_state(waiter, standbys),
+        # The pool process that waits for its hand-over ("<node>/<pid>"); None until its copy arrives.
+        "standby_holder": standby.holder if standby is not None and not waiter.dispatched else None,
     }
 
 
-def _waiter_table(waiters: Iterable[Waiter], title: str | None = None) -> Any:
+def _waiter_table(waiters: Iterable[Waiter], standbys: Mapping[str, Standby], title: str | None = None) -> Any:
     from rich.table import Table
 
     now = time.time()
@@ -449,9 +470,17 @@ def _waiter_table(waiters: Iterable[Waiter], title: str | None = None) -> Any:
             waiter.task_name or "?",
             duration(max(now - waiter.first_deferred_at, 0.0)),
             duration(waiter.age),
-            "dispatched" if waiter.dispatched else "waiting",
+            _standby_cell(waiter, standbys),
         )
     return table
+
+
+def _standby_cell(waiter: Waiter, standbys: Mapping[str, Standby]) -> str:
+    state = _waiter_state(waiter, standbys)
+    if state != "standby":
+        return state
+    holder = standbys[waiter.task_id].holder
+    return f"standby in {holder}" if holder else "standby (copy on its way)"
 
 
 def _slots_of(name: str, statuses: Iterable[SlotStatus]) -> list[str]:
@@ -734,7 +763,7 @@ def release(ctx: click.Context, task_id: str, yes: bool) -> None:
     if leases:
         console.print(_lease_table(leases, title=f"leases of task {task_id}"))
     if waiting:
-        console.print(_waiter_table(waiting, title=f"task {task_id} in the waiting list"))
+        console.print(_waiter_table(waiting, operator.standbys(), title=f"task {task_id} in the waiting list"))
     if not yes:
         what = [f"{len(leases)} lease(s)"] if leases else []
         if waiting:
@@ -798,12 +827,13 @@ def waiters(ctx: click.Context, name: str, as_json: bool) -> None:
     found = _waiters_of(operator, name)
     if as_json:
         now = time.time()
-        _echo_json([_waiter_json(waiter, now) for waiter in found])
+        standbys = operator.standbys()
+        _echo_json([_waiter_json(waiter, now, standbys) for waiter in found])
         return
     if not found:
         click.echo(f"{name}: no waiting task")
         return
-    _console().print(_waiter_table(found, title=f"{len(found)} waiting task(s) of {name}"))
+    _console().print(_waiter_table(found, operator.standbys(), title=f"{len(found)} waiting task(s) of {name}"))
 
 
 @caps.command()
@@ -827,7 +857,7 @@ def drain(ctx: click.Context, name: str, yes: bool, dry_run: bool) -> None:
         click.echo(f"{name}: no waiting task")
         return
     tasks = {waiter.task_id for waiter in waiting}
-    _console().print(_waiter_table(waiting, title=f"waiting for {name}"))
+    _console().print(_waiter_table(waiting, operator.standbys(), title=f"waiting for {name}"))
     if dry_run:
         click.echo(f"would publish {len(tasks)} waiting task(s) of {name}")
         return

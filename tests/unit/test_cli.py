@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -467,6 +468,36 @@ def test_waiters_lists_a_caps_waiting_tasks_in_order(app: Celery, parked: list[s
     unknown = run(app, "waiters", f"{prefix}nothing")
     assert unknown.exit_code == 1
     assert unknown.output.strip() == f"Error: no slot or cap named '{prefix}nothing' (see `celery caps status`)"
+
+
+def test_waiters_shows_a_waiter_on_standby_and_the_process_that_waits_for_it(
+    app: Celery, parked: list[str], store: SlotStore, prefix: str
+) -> None:
+    if not store.supports_standby:
+        pytest.skip(f"{type(store).__name__} has no standby")
+    # Given the oldest waiter put on standby, its copy not yet in a pool process
+    [standby] = store.stand_by([f"{prefix}tenant:acme"], 1, 10_000, 30.0)
+    assert standby.task_id == parked[0]
+
+    def states() -> list[tuple[str, str, str | None]]:
+        listed = json.loads(run(app, "waiters", f"{prefix}tenant:acme", "--json").output)
+        return [(w["task_id"], w["state"], w["standby_holder"]) for w in listed]
+
+    assert states() == [(parked[0], "standby", None), (parked[1], "waiting", None)]
+    assert "standby (copy on its way)" in run(app, "waiters", f"{prefix}tenant:acme").output
+
+    # When a process waits for it, the list names that process; when it gives up, it waits again
+    waiting = threading.Thread(target=lambda: store.await_standby(parked[0], standby.run_id, 2.0, "w9@host/42", 30))
+    waiting.start()
+    try:
+        deadline = time.monotonic() + 5
+        while states()[0] != (parked[0], "standby", "w9@host/42"):
+            assert time.monotonic() < deadline, states()
+            time.sleep(0.05)
+        assert "standby in w9@host/42" in run(app, "waiters", f"{prefix}tenant:acme").output
+    finally:
+        waiting.join(10)
+    assert states() == [(parked[0], "waiting", None), (parked[1], "waiting", None)]
 
 
 def test_drain_publishes_the_waiting_tasks_then_empties_the_list(
