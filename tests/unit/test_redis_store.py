@@ -507,6 +507,7 @@ def test_each_parking_step_is_one_round_trip(client: redis.Redis) -> None:
     finally:
         store.close()
         counting_client.close()
+        pool.disconnect()  # a client handed a pool leaves it open
         keys = list(client.scan_iter(match=f"{store.key_prefix}*"))
         if keys:
             client.delete(*keys)
