@@ -614,6 +614,7 @@ _CALL_ACQUIRE_FUNCTION = (
 )
 # On the connection's search path: a function of another schema would not be found by its calls.
 _FUNCTION_EXISTS = "SELECT count(*) FROM pg_proc WHERE proname = :name AND pg_function_is_visible(oid)"
+_FUNCTIONS_PRESENT = "SELECT proname FROM pg_proc WHERE proname IN :names AND pg_function_is_visible(oid)"
 # The same two statements for the driver (psycopg's parameter style): the hot path.
 _CALL_ACQUIRE_FUNCTION_DRIVER = (
     f"SELECT {POSTGRESQL_ACQUIRE_FUNCTION}(%(slots)s, %(limits)s, %(task_id)s, %(run_id)s, %(holder)s, "
@@ -670,16 +671,9 @@ _CLAIM = (
     "WHERE run_id = :run_id AND task_id = :task_id AND expires_at > {now}"
 )
 _DELETE_WAITER = "DELETE FROM concurrency_waiters WHERE task_id = :task_id"
-# The claim in one statement, for the PostgreSQL hot path (psycopg's parameter style).
-_CLAIM_DRIVER = (
-    "WITH claimed AS (UPDATE concurrency_slots SET holder = %(holder)s, "
-    f"expires_at = {_NOW['postgresql']} + %(lease_seconds)s "
-    f"WHERE run_id = %(run_id)s AND task_id = %(task_id)s AND expires_at > {_NOW['postgresql']} RETURNING 1), "
-    "unlisted AS (DELETE FROM concurrency_waiters WHERE task_id = %(task_id)s) "
-    "SELECT count(*) FROM claimed"
-)
-# The same, also telling whether other tasks wait (not dispatched) for one of the claimed slots
-# (the statement's snapshot still has this task's waiting rows: they are left out).
+# The claim in one statement, for the PostgreSQL hot path (psycopg's parameter style), also
+# telling whether other tasks wait (not dispatched) for one of the claimed slots (the statement's
+# snapshot still has this task's waiting rows: they are left out).
 _CLAIM_DISPATCH_DRIVER = (
     "WITH claimed AS (UPDATE concurrency_slots SET holder = %(holder)s, "
     f"expires_at = {_NOW['postgresql']} + %(lease_seconds)s "
@@ -1292,28 +1286,24 @@ class SQLAlchemyStore(SlotStore):
             )
         if self.dialect == "postgresql":
             try:
+                names = [
+                    POSTGRESQL_ACQUIRE_FUNCTION,
+                    POSTGRESQL_RELEASE_FUNCTION,
+                    POSTGRESQL_RELEASE_AND_WAKE_FUNCTION,
+                    POSTGRESQL_PARK_FUNCTION,
+                    POSTGRESQL_STAND_BY_FUNCTION,
+                ]
+                present_query = sa.text(_FUNCTIONS_PRESENT).bindparams(sa.bindparam("names", expanding=True))
                 with self._engine.connect() as connection:
-                    found = connection.execute(
-                        sa.text(_FUNCTION_EXISTS), {"name": POSTGRESQL_ACQUIRE_FUNCTION}
-                    ).scalar()
-                    self._use_release_function = bool(
-                        connection.execute(sa.text(_FUNCTION_EXISTS), {"name": POSTGRESQL_RELEASE_FUNCTION}).scalar()
-                    )
-                    self._use_release_and_wake_function = bool(
-                        connection.execute(
-                            sa.text(_FUNCTION_EXISTS), {"name": POSTGRESQL_RELEASE_AND_WAKE_FUNCTION}
-                        ).scalar()
-                    )
-                    park_function = connection.execute(
-                        sa.text(_FUNCTION_EXISTS), {"name": POSTGRESQL_PARK_FUNCTION}
-                    ).scalar()
-                    self._use_stand_by_function = bool(
-                        connection.execute(sa.text(_FUNCTION_EXISTS), {"name": POSTGRESQL_STAND_BY_FUNCTION}).scalar()
-                    )
+                    present = {row[0] for row in connection.execute(present_query, {"names": names})}
             except sa.exc.SQLAlchemyError as exc:
                 raise self._wrap("checking the schema", exc) from exc
-            self._use_acquire_function = bool(found) and not missing
-            self._use_park_function = bool(park_function) and not missing
+            found = POSTGRESQL_ACQUIRE_FUNCTION in present
+            self._use_acquire_function = found and not missing
+            self._use_release_function = POSTGRESQL_RELEASE_FUNCTION in present
+            self._use_release_and_wake_function = POSTGRESQL_RELEASE_AND_WAKE_FUNCTION in present
+            self._use_park_function = POSTGRESQL_PARK_FUNCTION in present and not missing
+            self._use_stand_by_function = POSTGRESQL_STAND_BY_FUNCTION in present
             self._standby_table = self._has_table(STANDBY_TABLE_NAME)
             if not found:
                 logger.info(
@@ -1937,10 +1927,9 @@ class SQLAlchemyStore(SlotStore):
         return self._transaction("forget", forget, attempts=_ACQUIRE_ATTEMPTS)
 
     def claim(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> int:
+        if self._schema_ready and self._driver_connections() is not None:
+            return self.claim_dispatch(task_id, run_id, holder, lease_seconds).leases
         params = {"task_id": task_id, "run_id": run_id, "holder": holder, "lease_seconds": lease_seconds}
-        driver = self._driver_connections() if self._schema_ready else None
-        if driver is not None:
-            return int(self._driver_call("claim", driver, _CLAIM_DRIVER, params).fetchone()[0])
         statements = self._parking
 
         def claim(connection: Connection) -> int:
