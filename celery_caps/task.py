@@ -121,6 +121,12 @@ def _header(request: Any, name: str) -> Any:
     return value if value is not None else getattr(request, name, None)
 
 
+def _wake_queue_of(request: Any) -> str | None:
+    """The wake queue ``request``'s message came through (a task woken by a release), else None."""
+    routing_key = (getattr(request, "delivery_info", None) or {}).get("routing_key")
+    return routing_key if isinstance(routing_key, str) and is_wake_queue(routing_key) else None
+
+
 def _seconds_since_first_deferral(request: Any) -> float:
     """How long a task admitted now has waited for its caps (0 if it was never put back)."""
     first_deferred_at = _header(request, FIRST_DEFERRED_HEADER)
@@ -396,9 +402,9 @@ class CappedTask(Task):  # type: ignore[misc]
         """Celery's, except that a task woken into a wake queue is sent on to its own queue
         (by ``retry``, a put-back or parking again), never to the wake queue."""
         request = self.request if request is None else request
-        routing_key = (getattr(request, "delivery_info", None) or {}).get("routing_key")
-        if queue is None and isinstance(routing_key, str) and is_wake_queue(routing_key):
-            queue = queue_of_wake_queue(routing_key)
+        wake_queue = _wake_queue_of(request)
+        if queue is None and wake_queue is not None:
+            queue = queue_of_wake_queue(wake_queue)
         return super().signature_from_request(request, args, kwargs, queue=queue, **extra_options)
 
     # -- admission ------------------------------------------------------------------
@@ -526,9 +532,7 @@ class CappedTask(Task):  # type: ignore[misc]
             return None
         if claimed.leases == len(slots):
             runtime.hold(dispatch_run_id, request.id, slots, holder, self.name, deferrals)
-            routing_key = (getattr(request, "delivery_info", None) or {}).get("routing_key")
-            woken = isinstance(routing_key, str) and is_wake_queue(routing_key)
-            if claimed.waiters_behind and not woken:
+            if claimed.waiters_behind and _wake_queue_of(request) is None:
                 runtime.stand_by_soon(self.name, list(slots))
             return str(dispatch_run_id)
         if claimed.leases:
