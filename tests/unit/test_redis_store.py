@@ -414,9 +414,11 @@ class _CountingConnection(redis.Connection):
         super().send_command(*args, **kwargs)  # type: ignore[no-untyped-call]
 
 
-def test_warm_up_loads_the_scripts_so_that_a_first_call_after_a_restart_is_one_round_trip(
-    client: redis.Redis,
-) -> None:
+@pytest.fixture
+def counting_store(client: redis.Redis) -> Iterator[RedisStore]:
+    """A store whose connections note every command they send (``_CountingConnection.sent``);
+    closed, its pool disconnected (a client handed a pool leaves it open) and its keys deleted
+    afterwards."""
     parts = urlsplit(REDIS_URL)
     pool = redis.ConnectionPool(
         connection_class=_CountingConnection, host=parts.hostname or "127.0.0.1", port=parts.port or 6379,
@@ -424,18 +426,7 @@ def test_warm_up_loads_the_scripts_so_that_a_first_call_after_a_restart_is_one_r
     )  # fmt: skip
     store = RedisStore(redis.Redis(connection_pool=pool), key_prefix=new_key_prefix())
     try:
-        # Given a server that lost its script cache (a restart without persistence)
-        client.script_flush()
-
-        # When the store warms up (a pool process starting)
-        store.warm_up()
-
-        # Then the first admission and release are one EVALSHA each: no NOSCRIPT, no load
-        _CountingConnection.sent.clear()
-        run_id = new_run_id()
-        assert store.acquire({"licence": 1}, "task-1", run_id, HOLDER, LONG_LEASE) == Admission(True)
-        assert store.release(run_id) == 1
-        assert _CountingConnection.sent == ["EVALSHA", "EVALSHA"]
+        yield store
     finally:
         store.close()
         pool.disconnect()
@@ -444,73 +435,77 @@ def test_warm_up_loads_the_scripts_so_that_a_first_call_after_a_restart_is_one_r
             client.delete(*keys)
 
 
-def test_each_parking_step_is_one_round_trip(client: redis.Redis) -> None:
-    parts = urlsplit(REDIS_URL)
-    pool = redis.ConnectionPool(
-        connection_class=_CountingConnection, host=parts.hostname or "127.0.0.1", port=parts.port or 6379,
-        db=DEDICATED_DB, password=parts.password,
+def test_warm_up_loads_the_scripts_so_that_a_first_call_after_a_restart_is_one_round_trip(
+    client: redis.Redis, counting_store: RedisStore
+) -> None:
+    store = counting_store
+    # Given a server that lost its script cache (a restart without persistence)
+    client.script_flush()
+
+    # When the store warms up (a pool process starting)
+    store.warm_up()
+
+    # Then the first admission and release are one EVALSHA each: no NOSCRIPT, no load
+    _CountingConnection.sent.clear()
+    run_id = new_run_id()
+    assert store.acquire({"licence": 1}, "task-1", run_id, HOLDER, LONG_LEASE) == Admission(True)
+    assert store.release(run_id) == 1
+    assert _CountingConnection.sent == ["EVALSHA", "EVALSHA"]
+
+
+def test_each_parking_step_is_one_round_trip(counting_store: RedisStore) -> None:
+    store = counting_store
+    # Given every script loaded once (a first use after a restart loads it: one more trip)
+    held = new_run_id()
+    store.acquire({"licence": 1}, "holder", held, HOLDER, LONG_LEASE)
+    park(store, {"licence": 1}, "warm-up", 1.0)
+    _, [warm] = store.release_and_wake(held, DISPATCH_LEASE)
+    store.claim(warm.task_id, warm.run_id, HOLDER, LONG_LEASE)
+    store.wake(DISPATCH_LEASE)
+    store.forget("nobody", DISPATCH_LEASE)
+    store.release_holder_and_wake("nobody", HOLDER, DISPATCH_LEASE)
+    store.expire_waiters(0.0, LONG_LEASE)
+    store.settle_published([Woken("nobody", "no-mark", b"")])
+
+    def in_one_trip(step: str, operation: Callable[[], _T]) -> _T:
+        _CountingConnection.sent.clear()
+        result = operation()
+        assert _CountingConnection.sent == ["EVALSHA"], f"{step}: {_CountingConnection.sent}"
+        return result
+
+    # Then each step is one EVALSHA, whatever it does
+    assert in_one_trip("park (parked)", lambda: park(store, {"licence": 1}, "task-2", 2.0)) == PARK_PARKED
+    assert in_one_trip("park (admitted)", lambda: park(store, {"other": 1}, "task-3", 3.0)) == PARK_ADMITTED
+    _, [woken] = in_one_trip("release_and_wake", lambda: store.release_and_wake(warm.run_id, DISPATCH_LEASE))
+    assert in_one_trip("claim", lambda: store.claim("task-2", woken.run_id, HOLDER, LONG_LEASE)) == 1
+    assert in_one_trip("wake", lambda: store.wake(DISPATCH_LEASE)) == []
+    assert in_one_trip("wake (of some slots)", lambda: store.wake(DISPATCH_LEASE, ["licence"])) == []
+    sent = store.park(
+        {"free": 1}, "task-sent", new_run_id(), HOLDER, LONG_LEASE, payload=b"message", first_deferred_at=3.5,
+        max_waiters=10, admit=False,
     )  # fmt: skip
-    counting_client = redis.Redis(connection_pool=pool)
-    store = RedisStore(counting_client, key_prefix=new_key_prefix())
-    try:
-        # Given every script loaded once (a first use after a restart loads it: one more trip)
-        held = new_run_id()
-        store.acquire({"licence": 1}, "holder", held, HOLDER, LONG_LEASE)
-        park(store, {"licence": 1}, "warm-up", 1.0)
-        _, [warm] = store.release_and_wake(held, DISPATCH_LEASE)
-        store.claim(warm.task_id, warm.run_id, HOLDER, LONG_LEASE)
-        store.wake(DISPATCH_LEASE)
-        store.forget("nobody", DISPATCH_LEASE)
-        store.release_holder_and_wake("nobody", HOLDER, DISPATCH_LEASE)
-        store.expire_waiters(0.0, LONG_LEASE)
-        store.settle_published([Woken("nobody", "no-mark", b"")])
-
-        def in_one_trip(step: str, operation: Callable[[], _T]) -> _T:
-            _CountingConnection.sent.clear()
-            result = operation()
-            assert _CountingConnection.sent == ["EVALSHA"], f"{step}: {_CountingConnection.sent}"
-            return result
-
-        # Then each step is one EVALSHA, whatever it does
-        assert in_one_trip("park (parked)", lambda: park(store, {"licence": 1}, "task-2", 2.0)) == PARK_PARKED
-        assert in_one_trip("park (admitted)", lambda: park(store, {"other": 1}, "task-3", 3.0)) == PARK_ADMITTED
-        _, [woken] = in_one_trip("release_and_wake", lambda: store.release_and_wake(warm.run_id, DISPATCH_LEASE))
-        assert in_one_trip("claim", lambda: store.claim("task-2", woken.run_id, HOLDER, LONG_LEASE)) == 1
-        assert in_one_trip("wake", lambda: store.wake(DISPATCH_LEASE)) == []
-        assert in_one_trip("wake (of some slots)", lambda: store.wake(DISPATCH_LEASE, ["licence"])) == []
-        sent = store.park(
-            {"free": 1}, "task-sent", new_run_id(), HOLDER, LONG_LEASE, payload=b"message", first_deferred_at=3.5,
-            max_waiters=10, admit=False,
-        )  # fmt: skip
-        assert sent == PARK_ROOM
-        # ... taking waiters off the list at least once: mark, settle (failed, then published)
-        for task_id, first in (("task-4", 4.0), ("task-5", 5.0)):
-            assert park(store, {"licence": 1}, task_id, first) == PARK_PARKED
-        marked = in_one_trip("expire_waiters", lambda: store.expire_waiters(4.5, LONG_LEASE))
-        assert [w.task_id for w in marked] == ["task-4"]
-        assert in_one_trip("settle_published (failed)", lambda: store.settle_published([], marked)) == 0
-        drained = in_one_trip("drain", lambda: store.drain("licence", LONG_LEASE))
-        assert [w.task_id for w in drained] == ["task-4", "task-5"]
-        assert in_one_trip("settle_published", lambda: store.settle_published(drained)) == 2
-        # ... a dead holder's release, a forgotten dispatch and a revoked task's release, each with its wake
-        assert park(store, {"licence": 1}, "task-6", 6.0) == PARK_PARKED
-        deleted, [dispatched] = in_one_trip(
-            "release_holder_and_wake", lambda: store.release_holder_and_wake("task-2", HOLDER, DISPATCH_LEASE)
-        )
-        assert (deleted, dispatched.task_id) == (1, "task-6")
-        assert in_one_trip("forget", lambda: store.forget("task-6", DISPATCH_LEASE)) == (1, [])
-        assert in_one_trip("release_task_and_wake", lambda: store.release_task_and_wake("task-3", DISPATCH_LEASE)) == (
-            1,
-            [],
-        )
-        assert store.leases() == [] and store.waiters() == []
-    finally:
-        store.close()
-        counting_client.close()
-        pool.disconnect()  # a client handed a pool leaves it open
-        keys = list(client.scan_iter(match=f"{store.key_prefix}*"))
-        if keys:
-            client.delete(*keys)
+    assert sent == PARK_ROOM
+    # ... taking waiters off the list at least once: mark, settle (failed, then published)
+    for task_id, first in (("task-4", 4.0), ("task-5", 5.0)):
+        assert park(store, {"licence": 1}, task_id, first) == PARK_PARKED
+    marked = in_one_trip("expire_waiters", lambda: store.expire_waiters(4.5, LONG_LEASE))
+    assert [w.task_id for w in marked] == ["task-4"]
+    assert in_one_trip("settle_published (failed)", lambda: store.settle_published([], marked)) == 0
+    drained = in_one_trip("drain", lambda: store.drain("licence", LONG_LEASE))
+    assert [w.task_id for w in drained] == ["task-4", "task-5"]
+    assert in_one_trip("settle_published", lambda: store.settle_published(drained)) == 2
+    # ... a dead holder's release, a forgotten dispatch and a revoked task's release, each with its wake
+    assert park(store, {"licence": 1}, "task-6", 6.0) == PARK_PARKED
+    deleted, [dispatched] = in_one_trip(
+        "release_holder_and_wake", lambda: store.release_holder_and_wake("task-2", HOLDER, DISPATCH_LEASE)
+    )
+    assert (deleted, dispatched.task_id) == (1, "task-6")
+    assert in_one_trip("forget", lambda: store.forget("task-6", DISPATCH_LEASE)) == (1, [])
+    assert in_one_trip("release_task_and_wake", lambda: store.release_task_and_wake("task-3", DISPATCH_LEASE)) == (
+        1,
+        [],
+    )
+    assert store.leases() == [] and store.waiters() == []
 
 
 # -- hostile names -----------------------------------------------------------------------
