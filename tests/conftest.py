@@ -1,14 +1,113 @@
-"""Fixtures shared by every test layer: the store table (see ``tests/services.py``)."""
+"""Fixtures shared by every test layer: the store table (see ``tests/services.py``), and a
+watchdog that ends a test run stuck where pytest-timeout's signal cannot reach."""
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import os
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 
 from celery_caps.stores.base import SlotStore
 from tests.services import StoreKind, StoreTarget, delete_own_rows, new_prefix, store_params, store_url_for
+
+#: Seconds a test phase may outlive its pytest-timeout limit before the watchdog ends the run.
+WATCHDOG_GRACE_SECONDS = 120.0
+#: Seconds after that before faulthandler's own thread ends it, if the watchdog thread never got the GIL.
+WATCHDOG_BACKSTOP_SECONDS = 30.0
+
+_terminal: TextIO | None = None  # the real stderr, opened before output capture starts
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _terminal
+    _terminal = open(os.dup(2), "w", encoding="utf-8", errors="replace")  # noqa: SIM115 - lives as long as the run
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _terminal
+    if _terminal is not None:
+        _terminal.close()
+        _terminal = None
+
+
+def _phase_limit(item: pytest.Item) -> float | None:
+    """The pytest-timeout limit of ``item``'s phases (its ``timeout`` mark, else the ini value)."""
+    mark = item.get_closest_marker("timeout")
+    seconds = float(mark.args[0]) if mark is not None and mark.args else float(item.config.getini("timeout") or 0)
+    return seconds if seconds > 0 else None
+
+
+def _kill_child_groups() -> list[int]:
+    """SIGKILL the process group of every child of this process (the fleet's workers each lead one);
+    returns their pids."""
+    killed = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():
+            pid = int(stat.parent.name)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed
+
+
+def _end_stuck_run(item: pytest.Item, phase: str, seconds: float, terminal: TextIO) -> None:
+    """Print every thread's stack to the real terminal, kill the workers this run started and end
+    the process: a phase that pytest-timeout's SIGALRM could not end (a C call that retries on
+    EINTR, a handler caught and ignored) would otherwise hold the whole run until CI's own
+    deadline, with nothing printed."""
+    terminal.write(
+        f"\n===== watchdog: {item.nodeid} still in {phase} {seconds:.0f} s after it began;"
+        " pytest-timeout did not end it: stacks of every thread, then exit =====\n"
+    )
+    terminal.flush()
+    faulthandler.dump_traceback(file=terminal, all_threads=True)
+    terminal.write(f"===== watchdog: killed the process groups of children {_kill_child_groups()} =====\n")
+    terminal.flush()
+    os._exit(3)
+
+
+def _watch_phase(item: pytest.Item, phase: str) -> Iterator[None]:
+    limit = _phase_limit(item)
+    if limit is None or _terminal is None:
+        yield
+        return
+    seconds = limit + WATCHDOG_GRACE_SECONDS
+    timer = threading.Timer(seconds, _end_stuck_run, args=(item, phase, seconds, _terminal))
+    timer.daemon = True
+    timer.start()
+    # faulthandler's thread needs no GIL: it ends the run even if the main thread never lets go of it
+    faulthandler.dump_traceback_later(seconds + WATCHDOG_BACKSTOP_SECONDS, exit=True, file=_terminal)
+    try:
+        yield
+    finally:
+        timer.cancel()
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    yield from _watch_phase(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    yield from _watch_phase(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    yield from _watch_phase(item, "teardown")
 
 
 @pytest.fixture(params=store_params())
