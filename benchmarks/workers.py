@@ -23,6 +23,8 @@ from typing import Any
 import redis
 from celery.signals import before_task_publish
 
+import celery_caps
+
 from .benchapp import PUBLISHED_HEADER, make_app, side_keys
 from .common import REPO_ROOT
 
@@ -175,6 +177,10 @@ class BenchFleet:
             if sender == task_name:
                 published += 1
 
+        # The sending process connects to the store before the burst, as a long-running one
+        # (a web process warmed up after it forks) has: a first send's connection and schema
+        # check (tens of milliseconds) would otherwise start one trial's burst late.
+        celery_caps.warm_up(self.app)
         before_task_publish.connect(count, weak=False)
         started = time.perf_counter()
         try:

@@ -11,6 +11,7 @@ from .errors import (
     StoreError,
 )
 from .task import CappedTask
+from .worker import warm_up
 
 __all__ = [
     "Cap",
@@ -22,5 +23,6 @@ __all__ = [
     "LeaseLost",
     "MissingDependencyError",
     "StoreError",
+    "warm_up",
 ]
 __version__ = "0.1.0"
