@@ -87,6 +87,13 @@ tasks the hand-over is no cost worth a blocked pool process.  A burst's first ha
 release before it: a task that took its slots when sent, whose claim sees tasks waiting behind it
 (``SlotStore.claim_dispatch``), puts them on standby as it starts, in the background
 (``CapsRuntime.stand_by_soon``), unless the last run of its task in that process was long.
+A task claimed before anyone waited behind it is covered from the other side: a park that finds
+one of its slots' lists empty (``park(report_first=True)`` returns ``PARK_PARKED_FIRST``) has
+whoever parked it (the sender's ``apply_async``, or the worker it reached) put the next waiters
+on standby the same way.  To Celery a standby copy runs: a ``revoke`` without ``terminate``
+would not stop it, so the worker's main process takes revoked standby copies off the list
+(``worker.RevokedStandbys``).  A standby whose store connection fails waits on, connecting
+again, until its wait is over: its record still names its process.
 
 Choosing.  ``caps_strategy`` is ``"park"`` (default) or ``"backoff"``, or a mapping
 ``{"default": ..., "<cap name>": ...}`` choosing per cap; a task parks when any of

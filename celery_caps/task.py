@@ -44,7 +44,7 @@ from .parking import (
 )
 from .parking import release as release_and_wake
 from .settings import PARK
-from .stores.base import DISPATCH_HOLDER, PARK_ADMITTED, PARK_LIST_FULL, PARK_PARKED, StandbyDispatch
+from .stores.base import DISPATCH_HOLDER, PARK_ADMITTED, PARK_LIST_FULL, PARK_PARKED, PARK_PARKED_FIRST, StandbyDispatch
 from .worker import CapsRuntime, holder_name, runtime_for
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,17 @@ def _header(request: Any, name: str) -> Any:
     headers = getattr(request, "headers", None) or {}
     value = headers.get(name)
     return value if value is not None else getattr(request, name, None)
+
+
+#: Seconds between a standby's tries to reach the store again after a store error.
+STANDBY_RETRY_SECONDS = 0.5
+
+
+def _wants_standby(runtime: CapsRuntime) -> bool:
+    """Whether a park should report a task parked first in its list: the one who parks it then
+    puts the next waiters on standby (in the background), as nobody else would before the first
+    hand-over: the claims of the tasks that hold the slots saw no waiter behind them."""
+    return parking_for(runtime).uses_standby and runtime.store.supports_standby
 
 
 def _wake_queue_of(request: Any) -> str | None:
@@ -377,7 +388,7 @@ class CappedTask(Task):  # type: ignore[misc]
             outcome = store.park(
                 slots, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds(runtime),
                 payload=payload, first_deferred_at=first_deferred_at, max_waiters=parking.max_waiters,
-                task_name=self.name, admit=parking.admit_on_publish,
+                task_name=self.name, admit=parking.admit_on_publish, report_first=_wants_standby(runtime),
             )  # fmt: skip
         except StoreError as exc:
             logger.warning("%s[%s] sent to the broker: could not check its slots (%s)", self.name, task_id, exc)
@@ -385,10 +396,12 @@ class CappedTask(Task):  # type: ignore[misc]
         if outcome == PARK_ADMITTED:
             logger.debug("%s[%s] took %s when sent", self.name, task_id, ", ".join(slots))
             return _Sent(task_id, dispatch_run_id=run_id)
-        if outcome != PARK_PARKED:
+        if outcome not in (PARK_PARKED, PARK_PARKED_FIRST):
             return _Sent(task_id)  # room, not taken (or the waiting list is full): the broker it is
         logger.debug("%s[%s] parked when sent: %s full", self.name, task_id, ", ".join(slots))
         runtime.metrics.deferred(list(slots), "parked")
+        if outcome == PARK_PARKED_FIRST:
+            runtime.stand_by_soon(self.name, list(slots))
         return _Sent(task_id, parked=self.AsyncResult(task_id))
 
     def signature_from_request(
@@ -465,15 +478,25 @@ class CappedTask(Task):  # type: ignore[misc]
             if limit:
                 wait = min(wait, float(limit) / 2)
         store = runtime.store
-        try:
-            dispatch = (
-                store.await_standby(request.id, mark, wait, holder, runtime.settings.lease_seconds)
-                if store.supports_standby
-                else None
-            )
-        except StoreError as exc:
-            logger.warning("%s[%s]: standby ended by a store error (%s)", self.name, request.id, exc)
-            dispatch = None
+        if not store.supports_standby:
+            raise Ignore()
+        # A store error (a lost connection, an outage) does not end the standby: its record
+        # still names this process, and a release would hand it the slot in this name, so the
+        # process waits on, connecting again, until the wait is over.
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                dispatch = store.await_standby(
+                    request.id, mark, max(deadline - time.monotonic(), 0.0), holder, runtime.settings.lease_seconds
+                )
+                break
+            except StoreError as exc:
+                if deadline - time.monotonic() <= STANDBY_RETRY_SECONDS:
+                    logger.warning("%s[%s]: standby ended by a store error (%s)", self.name, request.id, exc)
+                    dispatch = None
+                    break
+                logger.info("%s[%s]: standby interrupted (%s); waiting on", self.name, request.id, exc)
+                time.sleep(STANDBY_RETRY_SECONDS)
         if dispatch is None:
             logger.debug("%s[%s]: standby ended; the task waits on in the store", self.name, request.id)
             raise Ignore()
@@ -584,6 +607,7 @@ class CappedTask(Task):  # type: ignore[misc]
             outcome = runtime.store.park(
                 slots, request.id, run_id, holder, settings.lease_seconds, payload=payload,
                 first_deferred_at=first_deferred_at, max_waiters=parking.max_waiters, task_name=self.name,
+                report_first=_wants_standby(runtime),
             )  # fmt: skip
         except StoreError as exc:
             logger.warning("%s[%s] put back: could not park (%s)", self.name, request.id, exc)
@@ -598,6 +622,8 @@ class CappedTask(Task):  # type: ignore[misc]
             )  # fmt: skip
             self._put_back(runtime, request, slots, full_slots, args, kwargs, reason="waitlist_full")
         logger.debug("%s[%s] parked: %s full", self.name, request.id, ", ".join(full_slots))
+        if outcome == PARK_PARKED_FIRST:
+            runtime.stand_by_soon(self.name, list(slots))
         self._end_deferred_copy(runtime, request, waiting)
 
     def _put_back(

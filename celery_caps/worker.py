@@ -15,6 +15,7 @@ slots to waiting tasks (see :mod:`celery_caps.parking`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -638,15 +639,60 @@ def _park_in_use(app: Celery) -> bool:
         return False
 
 
+#: Seconds between two looks, in a worker's main process, for revoked tasks among its standby copies.
+REVOKED_STANDBY_CHECK_SECONDS = 1.0
+
+
+class RevokedStandbys:
+    """Main process: a standby copy is a running task to Celery, which a ``revoke`` without
+    ``terminate`` does not stop.  Every :data:`REVOKED_STANDBY_CHECK_SECONDS`, a revoked task
+    whose copy waits on standby here is taken off the waiting list, in the background: no
+    release dispatches it any more, its result is marked ``REVOKED``, and its copy ends when its
+    standby does.  (Revoked after a release handed it its slot, it runs: a running task.)"""
+
+    def __init__(self, runtime: CapsRuntime) -> None:
+        self.runtime = runtime
+        self._handled: set[str] = set()
+
+    def check(self) -> None:
+        from celery.worker import state
+
+        standbys = [
+            request
+            for request in list(state.active_requests)
+            if request._request_dict.get(parking.STANDBY_HEADER) and _is_capped(request.task)
+        ]
+        self._handled &= {request.id for request in standbys}
+        for request in standbys:
+            if request.id in state.revoked and request.id not in self._handled:
+                self._handled.add(request.id)
+                self.runtime.in_background(
+                    f"taking revoked task {request.id} off the waiting list",
+                    functools.partial(self._forget, request),
+                    after_failure="its standby may still run it",
+                )
+
+    def _forget(self, request: Request) -> int:
+        removed = parking.forget(self.runtime, request.id)
+        if removed:
+            logger.info("celery-caps: revoked task %s[%s] taken off the waiting list", request.name, request.id)
+            request.task.backend.mark_as_revoked(
+                request.id, "revoked", request=request._context, store_result=request.store_errors
+            )
+        return removed
+
+
 class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Refuses to start a worker whose app has capped tasks but no usable caps settings;
-    serves the metrics endpoint (``caps_metrics_port``, ``--caps-metrics-port``)."""
+    serves the metrics endpoint (``caps_metrics_port``, ``--caps-metrics-port``); takes revoked
+    standby copies off the waiting list (:class:`RevokedStandbys`)."""
 
     label = "celery-caps"
 
     def __init__(self, worker: Any, caps_metrics_port: int | None = None, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self._metrics_server: Any = None
+        self._revoked_check: Any = None
         app = worker.app
         capped = sorted(name for name, task in app.tasks.items() if _is_capped(task))
         if not capped:
@@ -679,7 +725,12 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, worker: Any) -> None:
         runtime = _existing_runtime(worker.app)
-        if runtime is None or runtime.settings.metrics_port is None:
+        if runtime is None:
+            return
+        if parking.parking_for(runtime).uses_standby and _park_in_use(worker.app):
+            revoked = RevokedStandbys(runtime)
+            self._revoked_check = worker.timer.call_repeatedly(REVOKED_STANDBY_CHECK_SECONDS, revoked.check)
+        if runtime.settings.metrics_port is None:
             return
         from . import metrics
 
@@ -692,6 +743,9 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         )
 
     def stop(self, worker: Any) -> None:
+        if self._revoked_check is not None:
+            self._revoked_check.cancel()
+            self._revoked_check = None
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

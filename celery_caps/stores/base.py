@@ -253,6 +253,9 @@ DISPATCH_HOLDER = "caps-dispatch"
 #: slot's waiting list holds ``max_waiters`` already.
 PARK_ADMITTED = "admitted"
 PARK_PARKED = "parked"
+#: ``park(report_first=True)``: parked, first in the waiting list of one of its slots at least
+#: (nobody waited there before it; a running holder's claim put no one on standby).
+PARK_PARKED_FIRST = "parked_first"
 PARK_LIST_FULL = "waitlist_full"
 #: ``park(admit=False)``: every slot has room; nothing was taken or stored.
 PARK_ROOM = "room"
@@ -356,6 +359,7 @@ class SlotStore(abc.ABC):
         max_waiters: int,
         task_name: str | None = None,
         admit: bool = True,
+        report_first: bool = False,
     ) -> str:
         """Admit like ``acquire`` if every slot has room; else park the task.  One atomic step.
 
@@ -363,6 +367,8 @@ class SlotStore(abc.ABC):
         (waiting; also when ``task_id`` was parked already) or :data:`PARK_LIST_FULL`
         (a slot already has ``max_waiters`` waiters; nothing stored).  With ``admit=False``
         (a task being sent, not run) a task with room takes nothing: :data:`PARK_ROOM`.
+        With ``report_first``, a task parked now in a slot whose list held no other task
+        returns :data:`PARK_PARKED_FIRST` instead of :data:`PARK_PARKED`.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
 

@@ -19,6 +19,7 @@ from .base import (
     PARK_ADMITTED,
     PARK_LIST_FULL,
     PARK_PARKED,
+    PARK_PARKED_FIRST,
     PARK_ROOM,
     Admission,
     HistoryEvent,
@@ -115,6 +116,7 @@ class MemoryStore(SlotStore):
         max_waiters: int,
         task_name: str | None = None,
         admit: bool = True,
+        report_first: bool = False,
     ) -> str:
         with self._lock:
             now = self.clock()
@@ -130,13 +132,13 @@ class MemoryStore(SlotStore):
                 return PARK_ADMITTED
             if task_id in self._waiting:
                 return PARK_PARKED
-            for slot in slots:
-                if sum(1 for waiter in self._waiting.values() if slot in waiter.slots) >= max_waiters:
-                    return PARK_LIST_FULL
+            waiting = {slot: sum(1 for waiter in self._waiting.values() if slot in waiter.slots) for slot in slots}
+            if any(count >= max_waiters for count in waiting.values()):
+                return PARK_LIST_FULL
             self._waiting[task_id] = _WaiterEntry(
                 task_id, dict(slots), payload, first_deferred_at, now, next(self._sequence), task_name
             )
-            return PARK_PARKED
+            return PARK_PARKED_FIRST if report_first and 0 in waiting.values() else PARK_PARKED
 
     def _wake_locked(self, now: float, dispatch_lease_seconds: float, only: set[str] | None = None) -> list[Woken]:
         """Dispatch the oldest waiters (of one of the slots ``only``, if given) that have room

@@ -133,6 +133,7 @@ from .base import (
     PARK_ADMITTED,
     PARK_LIST_FULL,
     PARK_PARKED,
+    PARK_PARKED_FIRST,
     PARK_ROOM,
     Admission,
     Claimed,
@@ -161,7 +162,9 @@ _RETRY_BACKOFF_CAP_SECONDS = 0.1
 
 #: Helpers of the parking scripts, loaded after redis_common.lua.
 _WAITLIST_LIBRARY = "redis_waitlist.lua"
-_PARK_OUTCOMES = {outcome.encode(): outcome for outcome in (PARK_ADMITTED, PARK_PARKED, PARK_LIST_FULL, PARK_ROOM)}
+_PARK_OUTCOMES = {
+    outcome.encode(): outcome for outcome in (PARK_ADMITTED, PARK_PARKED, PARK_PARKED_FIRST, PARK_LIST_FULL, PARK_ROOM)
+}
 
 _PASSWORD_QUERY = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
 
@@ -541,6 +544,7 @@ class RedisStore(SlotStore):
         max_waiters: int,
         task_name: str | None = None,
         admit: bool = True,
+        report_first: bool = False,
     ) -> str:
         if not run_id:
             raise ValueError("run_id must be non-empty")
@@ -558,8 +562,8 @@ class RedisStore(SlotStore):
         for slot in sorted(slots):
             keys.extend((*self.slot_keys(slot), self.waiters_key(slot)))
             args.extend((_encode(slot), str(int(slots[slot]))))
-        reply = self._run("park", self._park, keys, args)
-        return _PARK_OUTCOMES[bytes(reply)]
+        outcome = _PARK_OUTCOMES[bytes(self._run("park", self._park, keys, args))]
+        return PARK_PARKED if outcome == PARK_PARKED_FIRST and not report_first else outcome
 
     @staticmethod
     def _woken(reply: Sequence[Any]) -> list[Woken]:

@@ -8,8 +8,9 @@
 --       first-deferral time, max waiters, '1' to admit or '0' (a task being sent, not
 --       run), then per slot (sorted): name, limit
 -- Returns 'admitted', 'room' (every slot has room but admit was '0': nothing taken,
--- nothing stored but the sentinels), 'parked' (also when the task id was parked already)
--- or 'waitlist_full' (a slot has max waiters already; nothing stored).
+-- nothing stored but the sentinels), 'parked' (also when the task id was parked already),
+-- 'parked_first' (parked, and a slot's list held no other task) or 'waitlist_full' (a slot
+-- has max waiters already; nothing stored).
 
 local limits_key, runs_key, expiry_key = KEYS[1], KEYS[2], KEYS[3]
 local keys = waitlist_keys()
@@ -55,10 +56,13 @@ end
 if redis.call('HEXISTS', keys.waiting, task_id) == 1 then
   return 'parked'
 end
+local first = false
 for i = 1, slot_count do
-  if redis.call('ZCARD', KEYS[8 + 3 * i]) >= max_waiters then
+  local waiting = redis.call('ZCARD', KEYS[8 + 3 * i])
+  if waiting >= max_waiters then
     return 'waitlist_full'
   end
+  first = first or waiting == 0
 end
 
 local record = { first_deferred_at, now_text, task_name, '', '', slots_signature(names, limits) }
@@ -72,5 +76,8 @@ local member = waiter_member(record, task_id)
 for i = 1, slot_count do
   redis.call('ZADD', KEYS[8 + 3 * i], first_deferred_at, member)
   redis.call('SADD', keys.waitlists, names[i])
+end
+if first then
+  return 'parked_first'
 end
 return 'parked'

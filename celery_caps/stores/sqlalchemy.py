@@ -60,6 +60,7 @@ from .base import (
     PARK_ADMITTED,
     PARK_LIST_FULL,
     PARK_PARKED,
+    PARK_PARKED_FIRST,
     PARK_ROOM,
     Admission,
     Claimed,
@@ -564,8 +565,10 @@ END $$
 # Park (the park strategy's admission) in one round trip: admission's steps, then, with a slot
 # full, the task's waiting entries (one per slot, at the store's clock), unless it waits already
 # (a duplicate waits once) or a slot's list holds p_max_waiters.  Returns the outcome (the
-# PARK_* names); with p_admit false a task with room takes nothing ('room').
-POSTGRESQL_PARK_FUNCTION = "concurrency_slots_park_v1"
+# PARK_* names; 'parked_first' when a slot's list held no other task, which the caller reports
+# only if asked); with p_admit false a task with room takes nothing ('room').  v1 (no
+# 'parked_first') stays for workers of older versions; this version creates and calls v2.
+POSTGRESQL_PARK_FUNCTION = "concurrency_slots_park_v2"
 POSTGRESQL_PARK_FUNCTION_DDL = f"""
 CREATE FUNCTION {POSTGRESQL_PARK_FUNCTION}(
     p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
@@ -575,6 +578,7 @@ CREATE FUNCTION {POSTGRESQL_PARK_FUNCTION}(
 DECLARE
     v_full text[];
     v_now double precision;
+    v_first boolean;
 BEGIN
 {_PG_LOCK_SENTINELS}{_PG_FULL_SLOTS}
     IF cardinality(v_full) = 0 THEN
@@ -594,11 +598,14 @@ BEGIN
     THEN
         RETURN '{PARK_LIST_FULL}';
     END IF;
+    v_first := EXISTS (
+        SELECT 1 FROM unnest(p_slots) AS u(slot)
+        WHERE NOT EXISTS (SELECT 1 FROM concurrency_waiters w WHERE w.slot = u.slot));
     INSERT INTO concurrency_waiters
         (slot, task_id, slot_limit, slot_count, first_deferred_at, parked_at, task_name, payload)
     SELECT u.slot, p_task_id, u.slot_limit, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_payload
     FROM unnest(p_slots, p_limits) AS u(slot, slot_limit);
-    RETURN '{PARK_PARKED}';
+    RETURN CASE WHEN v_first THEN '{PARK_PARKED_FIRST}' ELSE '{PARK_PARKED}' END;
 END $$
 """
 _CALL_PARK_FUNCTION_DRIVER = (
@@ -1677,6 +1684,7 @@ class SQLAlchemyStore(SlotStore):
         max_waiters: int,
         task_name: str | None = None,
         admit: bool = True,
+        report_first: bool = False,
     ) -> str:
         if not run_id:
             raise ValueError("run_id must be non-empty")
@@ -1699,7 +1707,8 @@ class SQLAlchemyStore(SlotStore):
                 "payload": payload, "first_deferred_at": first_deferred_at, "max_waiters": max_waiters,
                 "admit": admit,
             }  # fmt: skip
-            return str(self._driver_call("park", driver, _CALL_PARK_FUNCTION_DRIVER, call).fetchone()[0])
+            outcome = str(self._driver_call("park", driver, _CALL_PARK_FUNCTION_DRIVER, call).fetchone()[0])
+            return PARK_PARKED if outcome == PARK_PARKED_FIRST and not report_first else outcome
 
         def park(connection: Connection) -> str:
             # The same locks and count as acquire: parking is atomic with admission.
@@ -1713,6 +1722,8 @@ class SQLAlchemyStore(SlotStore):
                 return PARK_PARKED  # a duplicate of a parked task: it waits once
             if any(waiting >= max_waiters for _slot, waiting, _mine in per_slot):
                 return PARK_LIST_FULL
+            # (Rows come only for slots with waiters, none of them this task's.)
+            first = report_first and len(per_slot) < count
             parked_at: sa.ColumnElement[Any] = sa.literal_column(self._now)  # the store's clock, in the insert
             connection.execute(
                 concurrency_waiters.insert().values(
@@ -1731,7 +1742,7 @@ class SQLAlchemyStore(SlotStore):
                     ]
                 )
             )
-            return PARK_PARKED
+            return PARK_PARKED_FIRST if first else PARK_PARKED
 
         return self._transaction("park", park, attempts=_ACQUIRE_ATTEMPTS)
 

@@ -40,6 +40,7 @@ ENV: dict[str, str | None] = {
     "CAPS_FLEET_BACKOFF_MAX": "1.0",
     "CAPS_FLEET_MAX_WAIT": None,
     "CAPS_FLEET_DISPATCH_LEASE": None,  # None: the lease
+    "CAPS_FLEET_STANDBY_PER_SLOT": None,  # None: the default
     "CAPS_FLEET_ON_STORE_ERROR": None,
     "CAPS_FLEET_ON_LEASE_LOST": None,
     "CAPS_FLEET_VISIBILITY_TIMEOUT": None,  # Redis broker only
@@ -227,6 +228,9 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
         value = setting(env, variable)
         if value is not None:
             conf[name] = value if name in ("caps_url", "caps_on_store_error", "caps_on_lease_lost") else float(value)
+    standby_per_slot = setting(env, "CAPS_FLEET_STANDBY_PER_SLOT")
+    if standby_per_slot is not None:
+        conf["caps_standby_per_slot"] = int(standby_per_slot)
     strategy = setting(env, "CAPS_FLEET_STRATEGY")
     if strategy is not None:
         conf["caps_strategy"] = strategy

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 from celery.signals import before_task_publish
 
-from celery_caps.parking import DISPATCH_HEADER, WAKE_QUEUE_SUFFIX, sweep_waiters
+from celery_caps.parking import DISPATCH_HEADER, STANDBY_HEADER, WAKE_QUEUE_SUFFIX, sweep_waiters
 from celery_caps.stores.base import DISPATCH_HOLDER, SlotStore, store_from_url
 from celery_caps.worker import runtime_for
 from tests.integration.conftest import FleetFactory
@@ -152,9 +152,10 @@ def test_tasks_sent_while_their_cap_is_full_wait_in_the_store_and_cost_one_messa
     fleet.start(1, concurrency=2)
     hold = fleet.app.tasks["fleet.hold"]
     sent_here: list[str] = []
+    standby_copies_here: list[str] = []
 
     def count_publish(headers: Any = None, **_: Any) -> None:
-        sent_here.append(headers["id"])
+        (standby_copies_here if headers.get(STANDBY_HEADER) else sent_here).append(headers["id"])
 
     # Given a task holding a slot of limit 1
     holder = hold.apply_async(args=[scope, 1.5]).id
@@ -164,22 +165,24 @@ def test_tasks_sent_while_their_cap_is_full_wait_in_the_store_and_cost_one_messa
     before_task_publish.connect(count_publish, weak=False)
     try:
         waiting = [hold.apply_async(args=[scope, 0.1]).id for _ in range(5)]
+
+        # Then none of them went to the broker: they wait in the store, in the order sent
+        assert sent_here == []
+        parked = [w.task_id for w in fleet.store.waiters(fleet.slot(f"one:{scope}")) if not w.dispatched]
+        assert sorted(parked) == sorted(waiting) and len(parked) == 5
+
+        # ... each is published once: when a release wakes it, or (the first, parked behind a
+        # running task) as a standby copy by the sender; and runs exactly once, in order
+        wait_for(lambda: all(fleet.record().done[t] for t in waiting), 30, "the parked tasks did not all run")
     finally:
         before_task_publish.disconnect(count_publish)
-
-    # Then none of them went to the broker: they wait in the store, in the order sent
-    assert sent_here == []
-    parked = [w.task_id for w in fleet.store.waiters(fleet.slot(f"one:{scope}")) if not w.dispatched]
-    assert sorted(parked) == sorted(waiting) and len(parked) == 5
-
-    # ... each is published once, when a release wakes it, and runs exactly once, in order
-    wait_for(lambda: all(fleet.record().done[t] for t in waiting), 30, "the parked tasks did not all run")
     record = fleet.record()
     assert [record.starts[t] for t in waiting] == [1] * 5
     starts = [record.runs_of(t)[0].start for t in waiting]
     assert starts == sorted(starts), "woken out of the order they were sent in"
     publishes = sum(int(v) for v in fleet.recorder.client.hgetall(fleet.recorder.key("publishes")).values())
-    assert publishes == 5, f"{publishes} messages published by the workers for 5 parked tasks"
+    assert standby_copies_here == waiting[:1], "the sender put the first waiter (only) on standby"
+    assert publishes + len(standby_copies_here) == 5, f"{publishes} messages published by the workers"
     assert record.peaks[f"one:{scope}"] == 1
     wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
     assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
@@ -198,9 +201,13 @@ def test_a_burst_sent_with_room_takes_its_slots_when_sent_and_costs_one_message_
     fleet.start(2, concurrency=CONCURRENCY)
     both = fleet.app.tasks["fleet.both"]
     sent_headers: dict[str, dict[str, Any]] = {}
+    standby_copies_here: list[str] = []
 
     def count_publish(headers: Any = None, **_: Any) -> None:
-        sent_headers[headers["id"]] = dict(headers)
+        if headers.get(STANDBY_HEADER):
+            standby_copies_here.append(headers["id"])  # the sender put a waiter on standby
+        else:
+            sent_headers[headers["id"]] = dict(headers)
 
     # Given an idle fleet and caps with room (provider 4, tenant 2)
     jobs = mixed_workload(40, seed=20261202)
@@ -209,26 +216,30 @@ def test_a_burst_sent_with_room_takes_its_slots_when_sent_and_costs_one_message_
     before_task_publish.connect(count_publish, weak=False)
     try:
         burst = [both.apply_async(args=[job.tenant, 300]).id for job in jobs]
+
+        # Then only the tasks that found room went to the broker, each holding its slots as a
+        # dispatch (no more than the global cap), and the rest wait in the store
+        assert 1 <= len(sent_headers) <= PROVIDER_LIMIT, f"{len(sent_headers)} of {len(burst)} sent to the broker"
+        assert all(headers.get(DISPATCH_HEADER) for headers in sent_headers.values()), sent_headers
+        waiting = {w.task_id for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)}
+        assert waiting | set(sent_headers) == set(burst) and not waiting & set(sent_headers)
+
+        # ... every task runs exactly once, the caps hold, and the whole burst cost one broker
+        # message per task: the sent ones were claimed, not contested; the others published once,
+        # woken or as a standby copy (by a worker, or by the sender for a waiter first in its list)
+        fleet.wait_all_done(burst, 60)
     finally:
         before_task_publish.disconnect(count_publish)
-
-    # Then only the tasks that found room went to the broker, each holding its slots as a
-    # dispatch (no more than the global cap), and the rest wait in the store
-    assert 1 <= len(sent_headers) <= PROVIDER_LIMIT, f"{len(sent_headers)} of {len(burst)} sent to the broker"
-    assert all(headers.get(DISPATCH_HEADER) for headers in sent_headers.values()), sent_headers
-    waiting = {w.task_id for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)}
-    assert waiting | set(sent_headers) == set(burst) and not waiting & set(sent_headers)
-
-    # ... every task runs exactly once, the caps hold, and the whole burst cost one broker
-    # message per task: the sent ones were claimed, not contested; the others published once, woken
-    fleet.wait_all_done(burst, 60)
     record = fleet.record()
     assert {t: (record.starts[t], record.done[t]) for t in burst if (record.starts[t], record.done[t]) != (1, 1)} == {}
     tenants = {f"tenant:{job.tenant}" for job in jobs}
     assert record.interval_peak("provider", distinct=True) == PROVIDER_LIMIT
     assert all(record.interval_peak(tenant, distinct=True) <= TENANT_LIMIT for tenant in tenants)
     publishes = sum(int(v) for v in fleet.recorder.client.hgetall(fleet.recorder.key("publishes")).values())
-    assert len(sent_headers) + publishes == len(burst), f"{len(sent_headers)} sent + {publishes} woken"
+    assert set(standby_copies_here) <= waiting
+    assert len(sent_headers) + len(standby_copies_here) + publishes == len(burst), (
+        f"{len(sent_headers)} sent + {len(standby_copies_here)} standby copies sent + {publishes} woken"
+    )
     assert sum(record.received[task_id] for task_id in burst) == len(burst)
     print(f"\n[park, admitted when sent] {len(sent_headers)} of {len(burst)} sent with their slots, {publishes} woken")
     wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
@@ -420,9 +431,12 @@ def test_a_release_retried_after_a_store_outage_wakes_the_waiter(
     proxy.open()
 
     # Then the worker retries the release, which hands the slot to the waiter (no sweep runs)
+    # (On standby, as the first waiter is: it waits on through the outage.  A standby run
+    # leaves the list in the background, as it starts.)
     wait_done(fleet, waiter, 15, "the retried release did not wake the waiter")
     wait_for(lambda: store.leases(fleet.slot(f"one:{scope}")) == [], 10, "leases left")
-    assert not parked(store, waiter)
+    wait_for(lambda: not parked(store, waiter), 5, "the woken waiter is still in the waiting list")
+    assert fleet.record().starts[waiter] == 1
 
 
 # -- standby: a pool process that waits for the next hand-over ----------------------------
@@ -482,6 +496,48 @@ def test_a_standby_process_killed_while_it_waits_loses_no_task_and_the_cap_holds
     assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
 
 
+@pytest.mark.parametrize("send", ["apply_async", "send_task"])
+@pytest.mark.parametrize(
+    "store",
+    [
+        pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.redis], id="postgres-redis"),
+        pytest.param("redis", marks=[pytest.mark.redis], id="redis-redis"),
+    ],
+)
+def test_a_task_that_waits_behind_one_already_running_is_handed_over_on_standby(
+    make_fleet: FleetFactory, store: str, send: str
+) -> None:
+    fleet = make_fleet(broker=require_service("redis"), caps_url=require_service(store), strategy="park")
+    fleet.start(1, concurrency=3)
+    scope = uuid.uuid4().hex[:16]
+    hold = fleet.app.tasks["fleet.hold"]
+
+    # Given a task running alone in its slot (limit 1): its claim saw nobody waiting behind it,
+    # so it put nobody on standby
+    first = hold.apply_async(args=[scope, 2.5]).id
+    wait_for(lambda: fleet.record().starts[first] == 1, 15, "the first task never started")
+
+    # When the next task for that slot is sent while it runs: parked when sent (apply_async),
+    # or parked by the worker it reaches (send_task by name is never parked when sent)
+    if send == "apply_async":
+        second = hold.apply_async(args=[scope, 0.1]).id
+    else:
+        second = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
+
+    # Then, first in its list, it is put on standby at once: a pool process waits for the slot
+    # before the first task ends
+    wait_for(lambda: waiting_standby(fleet, [second]) is not None, 10, "no standby copy waited in a pool process")
+    assert fleet.record().done[first] == 0, "the first task ended before the standby was in place"
+    # ... and the hand-over goes through it (no publish), each task once, the cap held
+    fleet.wait_all_done([first, second], 20)
+    record = fleet.record()
+    assert [run.standby for run in record.runs if run.task_id == second] == [True]
+    assert (record.starts[first], record.starts[second]) == (1, 1)
+    assert record.interval_peak(f"one:{scope}", distinct=True) == 1
+    wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+
+
 # -- a revoked waiter leaves the waiting list ---------------------------------------------
 
 
@@ -493,41 +549,54 @@ def run_sweep(fleet: Fleet) -> None:
 
 @pytest.mark.postgres
 @pytest.mark.redis
+@pytest.mark.parametrize("on_standby", [False, True], ids=["waiting", "on-standby"])
 def test_a_revoked_waiter_leaves_the_waiting_list_and_its_slot_goes_to_the_next(
-    private_postgres_url: str, make_fleet: FleetFactory
+    private_postgres_url: str, make_fleet: FleetFactory, on_standby: bool
 ) -> None:
     # A schema of its own: the sweep below must see only this test's waiters.
-    fleet = make_fleet(broker=require_service("redis"), caps_url=private_postgres_url, strategy="park", lease=30)
+    redis_url = require_service("redis")
+    fleet = make_fleet(
+        broker=redis_url, backend=redis_url, caps_url=private_postgres_url, strategy="park", lease=30,
+        standby_per_slot=None if on_standby else 0,
+    )  # fmt: skip
     store = fleet.store
     fleet.start(1, concurrency=3)
     scope = uuid.uuid4().hex[:16]
 
-    # Given a task holding its slot (a cap of 1) for 3 s and two waiters parked behind it
+    # Given a task holding its slot (a cap of 1) for 3 s and two waiters parked behind it; the
+    # first of them, first in the list, waits on standby in a pool process (unless standby is off)
     holder = fleet.app.send_task("fleet.hold", args=[scope, 3.0]).id
     wait_for(lambda: fleet.record().starts[holder] == 1, 20, "the holder never started")
     first = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
     wait_parked(store, first)
+    if on_standby:
+        wait_for(lambda: waiting_standby(fleet, [first]) is not None, 10, "the first waiter is not on standby")
     second = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
     wait_parked(store, second)
 
-    # When the first waiter is revoked (no terminate: it is not running anywhere)
+    # When the first waiter is revoked (no terminate: it is not running)
     replies = fleet.app.control.revoke(first, reply=True, timeout=5)
     assert replies, "no worker acknowledged the revoke"
 
-    # Then when the holder ends, the revoked waiter's dispatch is discarded by the worker, its
-    # entries and dispatch lease go at once, and the second waiter gets the slot
+    # Then it never runs, and the second waiter gets the slot when the holder ends: waiting, its
+    # dispatch is discarded by the worker as a revoked message; on standby, the worker that
+    # holds its copy takes it off the waiting list
     wait_done(fleet, second, 15, "the slot did not go on to the next waiter after the revoked one")
     discarded = f"Discarding revoked task: fleet.hold[{first}]"
+    taken_off = f"revoked task fleet.hold[{first}] taken off the waiting list"
     assert fleet.record().starts[first] == 0
-    assert fleet.workers[0].log().count(discarded) == 1  # its one dispatch
+    log = fleet.workers[0].log()
+    assert (log.count(discarded), log.count(taken_off)) == ((0, 1) if on_standby else (1, 0))
+    assert fleet.app.AsyncResult(first).state == "REVOKED"
     assert not parked(store, first) and not parked(store, second)
     wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
 
     # ... and the sweep does not dispatch it again
     run_sweep(fleet)
     time.sleep(0.5)
-    assert fleet.workers[0].log().count(discarded) == 1
+    assert fleet.workers[0].log().count(discarded) == (0 if on_standby else 1)
     assert not parked(store, first)
+    assert fleet.record().starts[first] == 0
 
 
 # -- a waiter past caps_max_wait_seconds is published at least once -----------------------------
@@ -582,8 +651,10 @@ def test_a_waiter_past_its_max_wait_is_not_lost_when_its_publish_fails(
         result = fleet.app.AsyncResult(waiter)
         result.get(timeout=20, propagate=False)
         assert result.state == "FAILURE" and type(result.result).__name__ == "CapWaitExceeded", result.result
-        assert fleet.record().received[waiter] == 2
-        assert fleet.record().starts[waiter] == 0
+        # (Received twice, and once more if its standby copy came: it was first in its list.)
+        record = fleet.record()
+        assert record.received[waiter] - record.standby_received[waiter] == 2
+        assert record.starts[waiter] == 0
     finally:
         runtime.close()
         sweeper.close()

@@ -29,6 +29,7 @@ from celery_caps.stores.base import (
     PARK_ADMITTED,
     PARK_LIST_FULL,
     PARK_PARKED,
+    PARK_PARKED_FIRST,
     PARK_ROOM,
     Admission,
     Claimed,
@@ -1054,6 +1055,34 @@ def test_park_admits_when_there_is_room_and_parks_when_full(store: SlotStore, pr
     assert park(store, {slot: 1}, f"{prefix}b", 2.0) == PARK_PARKED
     assert [(w.task_id, w.position, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}b", 1, False)]
     assert [lease.task_id for lease in store.leases(slot)] == [f"{prefix}a"]
+
+
+def test_park_reports_a_task_parked_first_in_one_of_its_lists_when_asked(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot, tenant = f"{prefix}provider", f"{prefix}tenant:a"
+
+    def park_reporting(task_id: str, slots: Mapping[str, int], first: float) -> str:
+        return store.park(
+            slots, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=b"message", first_deferred_at=first,
+            max_waiters=100, task_name="t.parked", report_first=True,
+        )  # fmt: skip
+
+    # Given both slots held by running tasks, and nobody waiting
+    admit(store, {slot: 1}, f"{prefix}running")
+    admit(store, {tenant: 1}, f"{prefix}running-a")
+    # Then the first task parked in an empty list is reported first, the next ones not
+    assert park_reporting(f"{prefix}b", {slot: 1}, 1.0) == PARK_PARKED_FIRST
+    assert park_reporting(f"{prefix}c", {slot: 1}, 2.0) == PARK_PARKED
+    # ... nor a duplicate of the first
+    assert park_reporting(f"{prefix}b", {slot: 1}, 1.0) == PARK_PARKED
+    # A task of two slots is first if one of its lists was empty (the tenant's, here)
+    assert park_reporting(f"{prefix}d", {slot: 1, tenant: 1}, 3.0) == PARK_PARKED_FIRST
+    assert park_reporting(f"{prefix}e", {slot: 1, tenant: 1}, 4.0) == PARK_PARKED
+    # Unasked, a first park is reported as parked, like any other
+    other = f"{prefix}other"
+    admit(store, {other: 1}, f"{prefix}running-other")
+    assert park(store, {other: 1}, f"{prefix}f", 5.0) == PARK_PARKED
+    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}{name}" for name in "bcde"]
 
 
 def test_a_task_being_sent_parks_only_when_full_and_never_takes_a_slot(store: SlotStore, prefix: str) -> None:
