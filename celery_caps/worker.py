@@ -727,7 +727,8 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         runtime = _existing_runtime(worker.app)
         if runtime is None:
             return
-        if parking.parking_for(runtime).uses_standby and _park_in_use(worker.app):
+        parking_settings = parking.parking_for(runtime)
+        if parking_settings.uses_park and parking_settings.uses_standby:
             revoked = RevokedStandbys(runtime)
             self._revoked_check = worker.timer.call_repeatedly(REVOKED_STANDBY_CHECK_SECONDS, revoked.check)
         if runtime.settings.metrics_port is None:
