@@ -233,6 +233,73 @@ def test_postgresql_warm_up_connects_ahead_for_the_thread_that_runs_the_tasks(pr
         store.close()
 
 
+@pytest.mark.postgres
+def test_postgresql_warm_up_rehearses_the_hot_path_in_a_transaction_it_rolls_back(prefix: str) -> None:
+    from celery_caps.stores.sqlalchemy import WARM_UP_SLOT_PREFIX, SQLAlchemyStore
+
+    store = SQLAlchemyStore(require_service("postgres"))
+    try:
+        # When a store warms up (its functions called once each on a slot of its own)
+        store.warm_up()
+
+        # Then its spare connection's last statement ended that transaction: nothing is left
+        # open (locks, a held-back vacuum) and nothing of the rehearsal was committed
+        driver = store._driver_connections()
+        assert driver is not None and driver._spare is not None
+        backend = driver._spare.driver_connection.info.backend_pid
+        own = {"own": f"{WARM_UP_SLOT_PREFIX}%"}
+        with store.engine.connect() as connection:
+            state, query = connection.execute(
+                sa.text("SELECT state, query FROM pg_stat_activity WHERE pid = :pid"), {"pid": backend}
+            ).one()
+            assert (state, query) == ("idle", "ROLLBACK")
+            for table in ("concurrency_slots", "concurrency_waiters"):
+                left = connection.execute(sa.text(f"SELECT count(*) FROM {table} WHERE slot LIKE :own"), own)
+                assert left.scalar() == 0, table
+
+        # And the task thread then admits, parks and hands over on that connection
+        run_id = admit(store, {f"{prefix}a": 1}, f"{prefix}t1")
+        payload = {"payload": b"m", "first_deferred_at": time.time(), "max_waiters": 10}
+        parked = store.park({f"{prefix}a": 1}, f"{prefix}t2", new_run_id(), HOLDER, LONG_LEASE, **payload)
+        assert parked == PARK_PARKED
+        _deleted, woken = store.release_and_wake(run_id, LONG_LEASE)
+        assert [waiter.task_id for waiter in woken] == [f"{prefix}t2"]
+        assert len(driver._open) == 1
+    finally:
+        with store.engine.begin() as connection:
+            for table in ("concurrency_slots", "concurrency_waiters"):
+                connection.execute(sa.text(f"DELETE FROM {table} WHERE slot LIKE :own"), {"own": f"{prefix}%"})
+        store.close()
+
+
+@pytest.mark.postgres
+def test_a_warm_up_that_fails_midway_closes_its_connection_and_raises_a_store_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+
+    store = SQLAlchemyStore(require_service("postgres"))
+    try:
+        # Given a rehearsal whose second statement fails on the server
+        def failing_rehearsal(driver: Any) -> None:
+            driver.execute("SELECT 1", {})
+            driver.execute("SELECT no_such_column FROM concurrency_slots", {})
+
+        monkeypatch.setattr(store, "_rehearse_hot_path", failing_rehearsal)
+
+        # Then warming up raises a StoreError, and keeps no connection inside the failed transaction
+        with pytest.raises(StoreError, match="warming up failed"):
+            store.warm_up()
+        driver = store._driver_connections()
+        assert driver is not None
+        assert driver._spare is None and driver._open == []
+        monkeypatch.undo()
+        # And the next call connects afresh
+        assert store.release(new_run_id()) == 0
+    finally:
+        store.close()
+
+
 def test_warming_up_an_unreachable_store_raises_a_store_error_naming_no_password() -> None:
     from celery_caps.stores.sqlalchemy import SQLAlchemyStore
 
