@@ -401,8 +401,9 @@ class SlotStore(abc.ABC):
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         """``task_id`` is not to run (revoked, expired, dropped by an operator): remove it from
         the waiting list and delete its dispatch leases (never a run's lease), then dispatch the
-        waiters the freed slots can admit, in one transaction.  Returns the waiting entries
-        removed and the woken waiters.
+        waiters the freed slots can admit, in one transaction.  Its standby, if no dispatch took
+        it, ends too, and a process waiting on it returns None at once.  Returns the waiting
+        entries removed and the woken waiters.
 
         A no-op for a store without a waiting list.  The default, for a store that parks but
         does not override it, can only delete the dispatch leases (``release_holder`` with

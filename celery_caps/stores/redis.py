@@ -751,6 +751,8 @@ class RedisStore(SlotStore):
                 run_id, _, how = taken.partition(" ")
                 if note_mark == mark and run_id:
                     return StandbyDispatch(run_id, claimed=how == "claimed")
+                if note_mark == mark:
+                    break  # the mark alone: the task left the waiting list (a revoke)
         # Ends the standby, or finds that a dispatch took it just before.
         return self._taken(self._standby_step(task_id, mark, b"end"))
 

@@ -1,5 +1,5 @@
 -- celery-caps forget: a task is not to run (revoked, expired, dropped by an operator).  It
--- leaves the waiting list, its dispatch leases go (never a run's lease), and the slots
+-- leaves the waiting list, its standby ends, its dispatch leases go (never a run's lease), and the slots
 -- they held are dispatched to the oldest waiters with room, in one atomic step.
 --
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
@@ -10,6 +10,17 @@
 local runs_key, expiry_key = KEYS[2], KEYS[3]
 local keys = waitlist_keys()
 local prefix, task_id, lease_seconds, nonce = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+
+-- Its standby that no dispatch took ends (first: remove_waiter deletes the record), and its
+-- waiting process is told at once (the mark alone, no run id) rather than waiting on until its
+-- wait is over.
+local standby = read_standby(prefix, task_id)
+if standby ~= nil and standby[3] == '' then
+  redis.call('HDEL', standby_key(prefix), task_id)
+  redis.call('DEL', signal_key(prefix, task_id))
+  redis.call('RPUSH', signal_key(prefix, task_id), standby[1])
+  redis.call('EXPIRE', signal_key(prefix, task_id), SIGNAL_SECONDS)
+end
 
 local removed = 0
 local record = read_waiter(keys.waiting, task_id)

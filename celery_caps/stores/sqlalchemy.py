@@ -738,6 +738,12 @@ _TAKE_STANDBY = (
     "WHERE task_id = :task_id AND dispatch_run_id IS NULL AND expires_at > {now} RETURNING mark) "
     "SELECT pg_notify(:channel, taken.mark || ' ' || :run_id || ' dispatched') FROM taken"
 )
+# End a task's standby that no dispatch took (the task left the waiting list: a revoke) and
+# signal its waiting process (the mark alone, no run id), delivered when the transaction commits.
+_END_TASK_STANDBY = (
+    "WITH ended AS (DELETE FROM concurrency_standby WHERE task_id = :task_id AND dispatch_run_id IS NULL "
+    "RETURNING mark) SELECT pg_notify(:channel, ended.mark) FROM ended"
+)
 # Putting waiters on standby, in one round trip (``SQLAlchemyStore.stand_by``): drop expired
 # records; for each slot of p_slots (sorted), read the head of its waiting list (p_per_slot + 16
 # rows), each waiter with its live standby's mark, and choose its oldest waiters without one
@@ -1169,6 +1175,7 @@ class SQLAlchemyStore(SlotStore):
             "waiters_all": _WAITERS_LIST.replace("{slot_filter}", ""),
             "waiters_slot": _WAITERS_LIST.replace("{slot_filter}", "WHERE slot = :slot"),
             "take_standby": _TAKE_STANDBY,
+            "end_task_standby": _END_TASK_STANDBY,
             "standbys": _STANDBYS,
         }
         statements = {}
@@ -1902,6 +1909,13 @@ class SQLAlchemyStore(SlotStore):
         params = {"task_id": task_id, "run_id": run_id, "channel": standby_channel(task_id)}
         return connection.execute(self._parking["take_standby"], params).first() is not None
 
+    def _end_task_standby(self, connection: Connection, task_id: str) -> None:
+        """End ``task_id``'s standby that no dispatch took, and signal its waiting copy to stop
+        waiting now (on commit) rather than when its wait is over."""
+        if self._standby_table:
+            params = {"task_id": task_id, "channel": standby_channel(task_id)}
+            connection.execute(self._parking["end_task_standby"], params).all()
+
     def _wake_after_release(
         self, connection: Connection, released: list[str], dispatch_lease_seconds: float
     ) -> list[Woken]:
@@ -2001,11 +2015,13 @@ class SQLAlchemyStore(SlotStore):
                 | {_as_text(row[0]) for row in connection.execute(statements["holder_slots"], params)}
             )
             if not slots:
+                self._end_task_standby(connection, task_id)
                 return 0, []
             # The sentinels first, as admission and dispatch lock them: no deadlock with a
             # dispatch marking this very waiter.
             connection.execute(statements["lock"], {"slots": slots}).all()
             removed = connection.execute(statements["delete_waiter"], params).rowcount
+            self._end_task_standby(connection, task_id)
             deleted = connection.execute(self._release_holder, params).rowcount
             return removed, (self._wake_after_release(connection, slots, dispatch_lease_seconds) if deleted else [])
 
@@ -2210,11 +2226,19 @@ class SQLAlchemyStore(SlotStore):
                 waiting = False
             deadline = time.monotonic() + timeout
             while waiting and (remaining := deadline - time.monotonic()) > 0:
+                ended = False
                 for note in connection.notifies(timeout=remaining, stop_after=1):
                     note_mark, _, taken = str(note.payload).partition(" ")
                     run_id, _, how = taken.partition(" ")
                     if note.channel == channel and note_mark == mark and run_id:
                         return StandbyDispatch(run_id, claimed=how == "claimed")
+                    # The mark alone: the task left the waiting list (a revoke).
+                    ended = note.channel == channel and note_mark == mark
+                if ended:
+                    # (Asked once the generator is done: it holds the connection meanwhile.)
+                    mine, dispatch = record(connection)
+                    if not mine or dispatch is not None:
+                        return dispatch
             if connection.execute(_END_STANDBY_DRIVER, params).rowcount == 1:
                 return None
             # A release took it just before the end: the record says how.

@@ -575,8 +575,16 @@ def test_a_revoked_waiter_leaves_the_waiting_list_and_its_slot_goes_to_the_next(
     wait_parked(store, second)
 
     # When the first waiter is revoked (no terminate: it is not running)
-    replies = fleet.app.control.revoke(first, reply=True, timeout=5)
+    ended = f"fleet.hold[{first}] ignored"  # a copy of it ending: parked on arrival, or a standby's
+    ended_before = fleet.workers[0].log().count(ended)
+    revoked_at = time.monotonic()
+    replies = fleet.app.control.revoke(first, reply=True, timeout=5, limit=1)
     assert replies, "no worker acknowledged the revoke"
+    if on_standby:
+        # ... its standby copy stops waiting at once (its pool process is free again), not when
+        # its wait (caps_standby_seconds, 10 s) is over
+        wait_for(lambda: fleet.workers[0].log().count(ended) > ended_before, 10, "the standby copy never ended")
+        assert time.monotonic() - revoked_at < 5, "the revoked task's standby copy waited on"
 
     # Then it never runs, and the second waiter gets the slot when the holder ends: waiting, its
     # dispatch is discarded by the worker as a revoked message; on standby, the worker that

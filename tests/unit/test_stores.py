@@ -1568,6 +1568,37 @@ def test_a_standby_that_times_out_ends_and_its_waiter_keeps_its_place(store: Slo
     assert [w.task_id for w in store.stand_by([slot], 1, 10_000, 30.0)] == [f"{prefix}last"]
 
 
+def test_forgetting_a_task_on_standby_ends_its_standby_and_stops_its_waiting_process_at_once(
+    store: SlotStore, prefix: str
+) -> None:
+    slot, running, standby = one_on_standby(store, prefix, "later")
+
+    # Given a process waiting for the standby, for up to 20 s
+    signalled: list[StandbyDispatch | None] = []
+
+    def wait() -> None:
+        signalled.append(store.await_standby(standby.task_id, standby.run_id, 20, "w2@host/9", LONG_LEASE))
+
+    waiting = threading.Thread(target=wait)
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive()
+
+    # When the task is forgotten (revoked while it waits)
+    assert store.forget(standby.task_id, DISPATCH_LEASE) == (1, [])
+
+    # Then the waiting process returns None now, not when its 20 s are over
+    waiting.join(5)
+    assert not waiting.is_alive(), "the standby's process still waits after its task was forgotten"
+    assert signalled == [None]
+    # ... its standby is gone (it no longer counts against the bound), and the slot goes to the
+    # waiter behind it, through the broker (that one has no standby)
+    assert standby.task_id not in {record.task_id for record in store.standbys()}
+    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
+    assert (woken.task_id, woken.standby) == (f"{prefix}later", False)
+    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}later"]
+
+
 def test_a_standby_taken_before_its_process_waits_gets_its_dispatch_and_a_stale_copy_gets_none(
     store: SlotStore, prefix: str
 ) -> None:
