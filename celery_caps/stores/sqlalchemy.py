@@ -904,8 +904,9 @@ class _DriverConnections:
     expects transactions); after a fork the parent's connections are left alone.
     Not used under gevent/eventlet, where every green thread would hold a connection.
 
-    :meth:`open_spare` connects ahead of use (from a warm-up thread): the first thread that
-    needs a connection (the pool process's task thread) takes that one instead of connecting.
+    :meth:`rehearse` connects ahead of use (from a warm-up thread) and runs the hot path once on
+    that connection: the first thread that needs a connection (the pool process's task thread)
+    takes that one instead of connecting.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -974,40 +975,23 @@ class _DriverConnections:
         earlier = getattr(self._local, "connection", None)
         self._local.connection = fairy
         try:
-            fairy.driver_connection.execute("BEGIN")
             try:
-                work()
-            finally:
-                if fairy in self._open:  # (a failed call closed it)
-                    fairy.driver_connection.execute("ROLLBACK")
-        except BaseException:
-            if fairy in self._open:
-                self._drop(fairy)
-            raise
+                fairy.driver_connection.execute("BEGIN")
+                try:
+                    work()
+                finally:
+                    if fairy in self._open:  # (a failed call closed it)
+                        fairy.driver_connection.execute("ROLLBACK")
+            except BaseException:
+                if fairy in self._open:
+                    self._drop(fairy)
+                raise
+            with self._lock:
+                kept, self._spare = self._spare is None, self._spare or fairy
+            if not kept:
+                self._drop(fairy)  # another warm-up was quicker
         finally:
             self._local.connection = earlier
-        with self._lock:
-            if self._spare is None:
-                self._spare = fairy
-                return
-        self._drop(fairy)  # another warm-up was quicker
-
-    def open_spare(self) -> None:
-        """Connect now, for the first thread that needs a connection; nothing if one is spare.
-
-        Raises the driver's error.
-        """
-        if os.getpid() != self._pid:
-            self._forget_inherited()
-        with self._lock:
-            if self._spare is not None:
-                return
-        fairy = self._checkout()
-        with self._lock:
-            if self._spare is None:
-                self._spare = fairy
-                return
-        self._drop(fairy)  # another warm-up was quicker (this thread has no connection of its own)
 
     def listening(self, channel: str, work: Callable[[Any], _T]) -> _T:
         """``work(psycopg connection)`` while this thread's connection listens to ``channel``.
@@ -1553,8 +1537,8 @@ class SQLAlchemyStore(SlotStore):
         holder, lease = "celery-caps-warm-up", 60.0
         ids = [uuid.uuid4().hex for _ in range(6)]
         first_task, first_run, standby_task, standby_run, woken_task, woken_run = ids
-        if self.acquire(slots, first_task, first_run, holder, lease).granted is False:
-            return  # (cannot happen on a slot nobody else sees)
+        if not self.acquire(slots, first_task, first_run, holder, lease).granted:
+            return  # (cannot happen: nobody else sees this slot)
         if not self.supports_parking:
             self.release(first_run)
             return
