@@ -1542,8 +1542,14 @@ class SQLAlchemyStore(SlotStore):
         if not self.supports_parking:
             self.release(first_run)
             return
-        parked = {"payload": b"", "first_deferred_at": time.time(), "max_waiters": 10, "report_first": True}
-        self.park(slots, standby_task, standby_run, holder, lease, **parked)
+
+        def park(task_id: str, run_id: str) -> None:
+            self.park(
+                slots, task_id, run_id, holder, lease, payload=b"", first_deferred_at=time.time(), max_waiters=10,
+                report_first=True,
+            )  # fmt: skip
+
+        park(standby_task, standby_run)
         if self.supports_standby:
             for standby in self.stand_by([slot], 1, 2**31 - 1, lease):
                 params = {"task_id": standby.task_id, "mark": standby.run_id, "holder": holder, "lease_seconds": lease}
@@ -1551,7 +1557,7 @@ class SQLAlchemyStore(SlotStore):
         _deleted, woken = self.release_and_wake(first_run, lease)
         for waiter in woken:
             self.claim(waiter.task_id, waiter.run_id, holder, lease)
-            self.park(slots, woken_task, woken_run, holder, lease, **parked)
+            park(woken_task, woken_run)
             _deleted, dispatched = self.release_and_wake(waiter.run_id, lease)
             for task in dispatched:
                 self.claim_dispatch(task.task_id, task.run_id, holder, lease)
