@@ -1537,9 +1537,11 @@ class SQLAlchemyStore(SlotStore):
         holder, lease = "celery-caps-warm-up", 60.0
         ids = [uuid.uuid4().hex for _ in range(6)]
         first_task, first_run, standby_task, standby_run, woken_task, woken_run = ids
+        if not self._use_acquire_function:
+            return  # admission runs in pooled transactions of its own, which would commit
         if not self.acquire(slots, first_task, first_run, holder, lease).granted:
             return  # (cannot happen: nobody else sees this slot)
-        if not self.supports_parking:
+        if not (self.supports_parking and self._use_park_function and self._use_release_and_wake_function):
             self.release(first_run)
             return
 
