@@ -1579,7 +1579,7 @@ def test_forgetting_a_task_on_standby_ends_its_standby_and_stops_its_waiting_pro
     def wait() -> None:
         signalled.append(store.await_standby(standby.task_id, standby.run_id, 20, "w2@host/9", LONG_LEASE))
 
-    waiting = threading.Thread(target=wait)
+    waiting = threading.Thread(target=wait, daemon=True)  # (a wait that hangs must not hold the run)
     waiting.start()
     time.sleep(0.3)
     assert waiting.is_alive()
