@@ -977,17 +977,17 @@ class _DriverConnections:
         try:
             try:
                 fairy.driver_connection.execute("BEGIN")
-                try:
-                    work()
-                finally:
-                    if fairy in self._open:  # (a failed call closed it)
-                        fairy.driver_connection.execute("ROLLBACK")
+                work()
+                fairy.driver_connection.execute("ROLLBACK")
             except BaseException:
+                # Closed, the connection's transaction goes with it (a failed call closed it already).
                 if fairy in self._open:
                     self._drop(fairy)
                 raise
             with self._lock:
-                kept, self._spare = self._spare is None, self._spare or fairy
+                kept = self._spare is None
+                if kept:
+                    self._spare = fairy
             if not kept:
                 self._drop(fairy)  # another warm-up was quicker
         finally:
@@ -1532,13 +1532,12 @@ class SQLAlchemyStore(SlotStore):
         """A task's store calls, each path of them once, on a slot of its own (the caller
         rolls it all back): admission; with parking, a park, a standby and the release that
         hands it over, its claim, and a dispatch through the broker and its claim."""
+        if not self._use_acquire_function:
+            return  # admission runs in pooled transactions of its own, which would commit
         slot = f"{WARM_UP_SLOT_PREFIX}{uuid.uuid4().hex}"
         slots = {slot: 1}
         holder, lease = "celery-caps-warm-up", 60.0
-        ids = [uuid.uuid4().hex for _ in range(6)]
-        first_task, first_run, standby_task, standby_run, woken_task, woken_run = ids
-        if not self._use_acquire_function:
-            return  # admission runs in pooled transactions of its own, which would commit
+        first_task, first_run, standby_task, standby_run, woken_task, woken_run = (uuid.uuid4().hex for _ in range(6))
         if not self.acquire(slots, first_task, first_run, holder, lease).granted:
             return  # (cannot happen: nobody else sees this slot)
         if not (self.supports_parking and self._use_park_function and self._use_release_and_wake_function):
@@ -2221,11 +2220,12 @@ class SQLAlchemyStore(SlotStore):
                 ended = False
                 for note in connection.notifies(timeout=remaining, stop_after=1):
                     note_mark, _, taken = str(note.payload).partition(" ")
+                    if note.channel != channel or note_mark != mark:
+                        continue
                     run_id, _, how = taken.partition(" ")
-                    if note.channel == channel and note_mark == mark and run_id:
+                    if run_id:
                         return StandbyDispatch(run_id, claimed=how == "claimed")
-                    # The mark alone: the task left the waiting list (a revoke).
-                    ended = note.channel == channel and note_mark == mark
+                    ended = True  # the mark alone: the task left the waiting list (a revoke)
                 if ended:
                     # (Asked once the generator is done: it holds the connection meanwhile.)
                     mine, dispatch = record(connection)

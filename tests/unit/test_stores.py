@@ -1489,6 +1489,21 @@ def one_on_standby(store: SlotStore, prefix: str, *behind: str) -> tuple[str, st
     return slot, running, standby
 
 
+def wait_on_standby(store: SlotStore, standby: Woken) -> tuple[threading.Thread, list[StandbyDispatch | None]]:
+    """A process waiting (up to 20 s, as holder ``w2@host/9``) for ``standby``, in a thread,
+    waiting already when this returns; what ``await_standby`` returns lands in the list."""
+    signalled: list[StandbyDispatch | None] = []
+
+    def wait() -> None:
+        signalled.append(store.await_standby(standby.task_id, standby.run_id, 20, "w2@host/9", LONG_LEASE))
+
+    waiting = threading.Thread(target=wait, daemon=True)  # (a wait that hangs must not hold the run)
+    waiting.start()
+    time.sleep(0.3)
+    assert waiting.is_alive()
+    return waiting, signalled
+
+
 def test_stand_by_takes_the_oldest_waiters_within_its_bounds(store: SlotStore, prefix: str) -> None:
     store = standby_store(store)
     slot, other = f"{prefix}s", f"{prefix}other"
@@ -1521,15 +1536,7 @@ def test_a_release_signals_the_waiting_standby_instead_of_handing_it_back_to_pub
     slot, running, standby = one_on_standby(store, prefix, "later")
 
     # Given a process waiting for the standby
-    signalled: list[StandbyDispatch | None] = []
-
-    def wait() -> None:
-        signalled.append(store.await_standby(standby.task_id, standby.run_id, 20, "w2@host/9", LONG_LEASE))
-
-    waiting = threading.Thread(target=wait)
-    waiting.start()
-    time.sleep(0.3)
-    assert waiting.is_alive()
+    waiting, signalled = wait_on_standby(store, standby)
 
     # When the running task releases
     _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
@@ -1574,15 +1581,7 @@ def test_forgetting_a_task_on_standby_ends_its_standby_and_stops_its_waiting_pro
     slot, running, standby = one_on_standby(store, prefix, "later")
 
     # Given a process waiting for the standby, for up to 20 s
-    signalled: list[StandbyDispatch | None] = []
-
-    def wait() -> None:
-        signalled.append(store.await_standby(standby.task_id, standby.run_id, 20, "w2@host/9", LONG_LEASE))
-
-    waiting = threading.Thread(target=wait, daemon=True)  # (a wait that hangs must not hold the run)
-    waiting.start()
-    time.sleep(0.3)
-    assert waiting.is_alive()
+    waiting, signalled = wait_on_standby(store, standby)
 
     # When the task is forgotten (revoked while it waits)
     assert store.forget(standby.task_id, DISPATCH_LEASE) == (1, [])
