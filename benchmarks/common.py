@@ -280,6 +280,35 @@ def at_least(value: float, limit: float) -> bool | None:
 # -- the machine -----------------------------------------------------------------------
 
 
+class CpuSteal:
+    """How much of the machine's CPU time the hypervisor gave to others between :meth:`start`
+    and :meth:`fraction` (the ``steal`` column of Linux's ``/proc/stat``, over all columns).
+
+    On a shared virtual machine that is the noise a figure cannot correct for: a trial whose
+    steal is a few percent ran on a quiet host, one at 15% did not.  Counted from its
+    creation; NaN where there is no ``/proc/stat``.
+    """
+
+    def __init__(self) -> None:
+        self._before = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat", encoding="ascii") as stat:
+                columns = [int(value) for value in stat.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        steal = columns[7] if len(columns) > 7 else 0
+        return steal, sum(columns)
+
+    def fraction(self) -> float:
+        after = self._read()
+        if self._before is None or after is None or after[1] == self._before[1]:
+            return math.nan
+        return (after[0] - self._before[0]) / (after[1] - self._before[1])
+
+
 def _command(args: Sequence[str]) -> str:
     try:
         return subprocess.run(args, capture_output=True, text=True, timeout=20, check=False).stdout.strip()

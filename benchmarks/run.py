@@ -30,6 +30,7 @@ from benchmarks import scaling, store_ops, task_overhead, utilisation
 from benchmarks.common import (
     REPO_ROOT,
     RESULTS_DIR,
+    CpuSteal,
     Options,
     Report,
     figures_from_json,
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = []
         for part in args.only:
             started = time.monotonic()
+            steal = CpuSteal()
             options.log(f"== {part} ==")
             try:
                 PARTS[part](report, options)
@@ -171,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 # Driver errors quote every parameter of a bulk insert: keep the lines short.
                 for line in traceback.format_exception(exc):
                     print(line if len(line) < 1000 else line[:1000] + " ...", end="", file=sys.stderr)
-            options.log(f"== {part}: {time.monotonic() - started:.0f} s ==")
+            # How noisy the host was meanwhile (CPU time the hypervisor gave to others).
+            report.note(f"part {part}: CPU steal {steal.fraction():.1%} of the machine's CPU time")
+            options.log(f"== {part}: {time.monotonic() - started:.0f} s, CPU steal {steal.fraction():.1%} ==")
             # Write what we have after every part: a long run that fails late keeps its figures.
             report.write_json(args.json)
         report.print_table()

@@ -35,7 +35,7 @@ from typing import Any
 
 from .benchapp import ENV
 from .clients import caps_url_for, drop_slots, vacuum_database
-from .common import Figure, Options, Report, at_least, at_most, median, percentile, reachable, service_url
+from .common import CpuSteal, Figure, Options, Report, at_least, at_most, median, percentile, reachable, service_url
 from .workers import BenchFleet, wait_for
 
 PART = "utilisation"
@@ -126,7 +126,8 @@ def run(report: Report, options: Options) -> None:
                         trials[variant].append(trial)
                         options.log(
                             f"[utilisation] {store}, {strategy}: {variant} repeat {repeat + 1}/{repeats}: "
-                            f"utilisation {trial['utilisation']:.2f}, {trial['deferrals_per_task']:.1f} deferrals/task"
+                            f"utilisation {trial['utilisation']:.3f}, {trial['deferrals_per_task']:.1f} "
+                            f"deferrals/task, CPU steal {trial['cpu_steal']:.1%}"
                         )
                         if not trial["completed"]:
                             # Put-back copies still held by the workers would run in the next trial.
@@ -161,6 +162,7 @@ def run_trial(fleet: BenchFleet, variant: str, backlog: int, options: Options) -
     # kombu's Redis transport listens to a queue added by add_consumer from its next BRPOP,
     # up to its 1 s timeout later: let every worker be listening when the burst comes.
     time.sleep(1.2)
+    steal = CpuSteal()
     fleet.fill(queue, task, calls)
     published = fleet.last_fill_published
     deadline = ideal_seconds * 10 + 30
@@ -176,6 +178,7 @@ def run_trial(fleet: BenchFleet, variant: str, backlog: int, options: Options) -
     result = analyse(variant, runs, published, put_backs)
     result["completed"] = completed
     result["ideal_seconds"] = ideal_seconds
+    result["cpu_steal"] = steal.fraction()
     return result
 
 
@@ -322,6 +325,8 @@ def report_strategy(
             versus = "ideal: each tenant's slot busy until its backlog is done"
         if incomplete:
             versus += f"; {incomplete} trial(s) timed out"
+        # How noisy the host was: CPU time the hypervisor gave to others during the trials.
+        versus += f"; CPU steal {median(values(variant, 'cpu_steal')):.1%}"
         add(
             variant,
             "slot utilisation",

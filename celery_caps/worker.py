@@ -150,10 +150,12 @@ class CapsRuntime:
         return self._store
 
     def warm_up(self) -> None:
-        """Build the store and let it prepare (schema, a connection) before the first task
-        needs it; a failure is logged (the first task tries again)."""
+        """Build the store and let it prepare (schema, connections) before the first task needs
+        it: for the thread that runs the tasks, the background thread (a standby's claim,
+        putting waiters on standby) and the lease keeper.  A failure is logged (the first task
+        tries again)."""
         try:
-            self.store.warm_up()
+            self.store.warm_up(threads=2, renewals=True)
         except Exception as exc:  # a StoreError, or a bad setting the worker reports at start
             logger.info("celery-caps: the slot store was not warmed up (%s); the first task connects", exc)
 

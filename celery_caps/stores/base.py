@@ -493,9 +493,11 @@ class SlotStore(abc.ABC):
         """Every standby record (taken or not, live or expired), by task id."""
         raise NotImplementedError(f"{type(self).__name__} does not support standby")
 
-    def warm_up(self) -> None:
+    def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
         """Make the first calls fast: do now what the first call would (check the schema, load
-        scripts) and open a connection ahead of use.  Called off the hot path, when a pool
+        scripts) and open connections ahead of use, for ``threads`` threads that will call the
+        store (a pool process: the one that runs its tasks and its background thread) and,
+        with ``renewals``, for the lease renewals.  Called off the hot path, when a pool
         process starts; a store with nothing to prepare does nothing.
 
         Raises:

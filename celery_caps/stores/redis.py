@@ -335,8 +335,9 @@ class RedisStore(SlotStore):
         self._scripts.append(script)
         return script
 
-    def warm_up(self) -> None:
-        """Connect (the pool keeps the connection for the first call) and load every script the
+    def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
+        """Connect (the pool keeps the connection for the first call; it opens one for each
+        further thread on demand, in a fraction of a millisecond) and load every script the
         server does not have yet, so that no first call pays a ``NOSCRIPT`` round trip."""
         try:
             loaded = self._client.script_exists(*(script.sha for script in self._scripts))

@@ -905,8 +905,8 @@ class _DriverConnections:
     Not used under gevent/eventlet, where every green thread would hold a connection.
 
     :meth:`rehearse` connects ahead of use (from a warm-up thread) and runs the hot path once on
-    that connection: the first thread that needs a connection (the pool process's task thread)
-    takes that one instead of connecting.
+    each new connection: the first threads that need a connection (a pool process's task
+    thread, then its background thread) take those instead of connecting.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -914,7 +914,8 @@ class _DriverConnections:
         self._local = threading.local()
         self._lock = threading.Lock()
         self._open: list[Any] = []
-        self._spare: Any = None
+        #: Connections opened ahead of use, for the next threads that need one.
+        self._spares: list[Any] = []
         self._pid = os.getpid()
         self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
 
@@ -934,13 +935,13 @@ class _DriverConnections:
 
     def _connection(self) -> Any:
         """This thread's connection (SQLAlchemy's pool fairy), checked out in autocommit on first
-        use (the spare, if one is open)."""
+        use (a spare, if one is open)."""
         if os.getpid() != self._pid:
             self._forget_inherited()
         fairy: Any = getattr(self._local, "connection", None)
         if fairy is None:
             with self._lock:
-                fairy, self._spare = self._spare, None
+                fairy = self._spares.pop(0) if self._spares else None
             if fairy is None:
                 fairy = self._checkout()
             self._local.connection = fairy
@@ -954,42 +955,40 @@ class _DriverConnections:
             self._open.append(fairy)
         return fairy
 
-    def rehearse(self, work: Callable[[], object]) -> None:
-        """Run ``work`` (calls of the store from this thread) on the spare connection, in a
-        transaction that is rolled back, and leave that connection spare again.
+    def rehearse(self, work: Callable[[], object], spares: int = 1) -> None:
+        """Open connections until ``spares`` are spare, running ``work`` (calls of the store
+        from this thread) on each new one in a transaction that is rolled back.
 
-        A new session compiles each function and plans its statements on its first calls
-        (about 6 ms for the release-and-wake function alone, here), and loads the caches of
-        the tables they read: the first hand-overs of a freshly started worker would pay
-        that.  The compiled functions and plans outlive the rollback; what ``work`` wrote
-        does not, and nobody else saw it.
+        A new connection costs the server a process, and a new session compiles each function
+        and plans its statements on its first calls (about 6 ms for the release-and-wake
+        function alone, here) and loads the caches of the tables they read: the first
+        hand-overs of a freshly started worker would pay all that, on a machine busy with
+        other hand-overs.  The compiled functions and plans outlive the rollback; what
+        ``work`` wrote does not, and nobody else saw it.
 
-        Raises the driver's error (the connection is then closed, not kept).
+        Raises the driver's error (that connection is then closed, not kept).
         """
         if os.getpid() != self._pid:
             self._forget_inherited()
-        with self._lock:
-            fairy, self._spare = self._spare, None
-        if fairy is None:
-            fairy = self._checkout()
         earlier = getattr(self._local, "connection", None)
-        self._local.connection = fairy
         try:
-            try:
-                fairy.driver_connection.execute("BEGIN")
-                work()
-                fairy.driver_connection.execute("ROLLBACK")
-            except BaseException:
-                # Closed, the connection's transaction goes with it (a failed call closed it already).
-                if fairy in self._open:
-                    self._drop(fairy)
-                raise
-            with self._lock:
-                kept = self._spare is None
-                if kept:
-                    self._spare = fairy
-            if not kept:
-                self._drop(fairy)  # another warm-up was quicker
+            while True:
+                with self._lock:
+                    if len(self._spares) >= spares:
+                        return
+                fairy = self._checkout()
+                self._local.connection = fairy
+                try:
+                    fairy.driver_connection.execute("BEGIN")
+                    work()
+                    fairy.driver_connection.execute("ROLLBACK")
+                except BaseException:
+                    # Closed, the connection's transaction goes with it (a failed call closed it already).
+                    if fairy in self._open:
+                        self._drop(fairy)
+                    raise
+                with self._lock:
+                    self._spares.append(fairy)
         finally:
             self._local.connection = earlier
 
@@ -1030,7 +1029,7 @@ class _DriverConnections:
         # and kept referenced so that no finaliser closes them either.
         _INHERITED_CONNECTIONS.extend(self._open)
         self._open = []
-        self._spare = None
+        self._spares = []
         self._local = threading.local()
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -1041,7 +1040,7 @@ class _DriverConnections:
             return
         with self._lock:
             open_connections, self._open = self._open, []
-            self._spare = None
+            self._spares = []
         for fairy in open_connections:
             try:
                 fairy.invalidate()
@@ -1512,21 +1511,23 @@ class SQLAlchemyStore(SlotStore):
                     self._driver = _DriverConnections(self._autocommit_engine)
         return self._driver
 
-    def warm_up(self) -> None:
+    def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
         """Check the schema and connect ahead of the first task: on PostgreSQL with psycopg, a
-        spare hot-path connection for the thread that runs the tasks; else a pooled one."""
+        spare hot-path connection for each of ``threads`` threads, each rehearsed (plus a
+        pooled one for the renewals, with ``renewals``); else a pooled one."""
         if not self._schema_ready:
             self._prepare()
         driver = self._driver_connections()
-        if driver is None:
+        if driver is not None:
+            try:
+                driver.rehearse(lambda: self._rehearse_hot_path(driver), spares=threads)
+            except StoreError:
+                raise
+            except Exception as exc:
+                raise StoreError(f"warming up failed on {self.display_url}: {type(exc).__name__}: {exc}") from exc
+        if driver is None or renewals:
+            # (After the rehearsal, which would otherwise have taken this one from the pool.)
             self._transaction("warming up", lambda connection: connection.exec_driver_sql("SELECT 1"))
-            return
-        try:
-            driver.rehearse(lambda: self._rehearse_hot_path(driver))
-        except StoreError:
-            raise
-        except Exception as exc:
-            raise StoreError(f"warming up failed on {self.display_url}: {type(exc).__name__}: {exc}") from exc
 
     def _rehearse_hot_path(self, driver: _DriverConnections) -> None:
         """A task's store calls, each path of them once, on a slot of its own (the caller

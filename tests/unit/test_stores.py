@@ -223,10 +223,47 @@ def test_postgresql_warm_up_connects_ahead_for_the_thread_that_runs_the_tasks(pr
 
         # Then it used that connection, and opened none of its own
         assert len(driver._open) == 1
-        assert driver._spare is None
+        assert driver._spares == []
         # A second warm-up opens a spare again, for the next thread
         store.warm_up()
         assert len(driver._open) == 2
+    finally:
+        with store.engine.begin() as connection:
+            connection.execute(sa.text("DELETE FROM concurrency_slots WHERE slot LIKE :own"), {"own": f"{prefix}%"})
+        store.close()
+
+
+@pytest.mark.postgres
+def test_postgresql_warm_up_for_a_pool_process_connects_each_of_its_threads_and_its_renewals(prefix: str) -> None:
+    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+
+    store = SQLAlchemyStore(require_service("postgres"))
+    try:
+        # Given a pool process's warm-up, from a thread of its own
+        warming = threading.Thread(target=lambda: store.warm_up(threads=2, renewals=True))
+        warming.start()
+        warming.join(30)
+        driver = store._driver_connections()
+        assert driver is not None
+        assert len(driver._spares) == 2
+        spares = {fairy.driver_connection.info.backend_pid for fairy in driver._spares}
+        assert store.engine.pool.checkedin() == 1  # type: ignore[attr-defined]
+
+        # When the task thread admits and another thread (its background one) releases,
+        # and the renewals run
+        run_id = admit(store, {f"{prefix}a": 1}, f"{prefix}t1")
+        releasing = threading.Thread(target=lambda: store.release(run_id))
+        releasing.start()
+        releasing.join(30)
+        assert store.renew([run_id], LONG_LEASE) == {}
+
+        # Then each used a connection opened ahead of it, and none connected
+        assert driver._spares == []
+        assert {fairy.driver_connection.info.backend_pid for fairy in driver._open} == spares
+        assert store.engine.pool.checkedin() == 1  # type: ignore[attr-defined]
+        # And a warm-up again (a second call) opens spares for the threads to come only
+        store.warm_up(threads=1)
+        assert len(driver._spares) == 1 and len(driver._open) == 3
     finally:
         with store.engine.begin() as connection:
             connection.execute(sa.text("DELETE FROM concurrency_slots WHERE slot LIKE :own"), {"own": f"{prefix}%"})
@@ -245,8 +282,8 @@ def test_postgresql_warm_up_rehearses_the_hot_path_in_a_transaction_it_rolls_bac
         # Then its spare connection's last statement ended that transaction: nothing is left
         # open (locks, a held-back vacuum) and nothing of the rehearsal was committed
         driver = store._driver_connections()
-        assert driver is not None and driver._spare is not None
-        backend = driver._spare.driver_connection.info.backend_pid
+        assert driver is not None and len(driver._spares) == 1
+        backend = driver._spares[0].driver_connection.info.backend_pid
         own = {"own": f"{WARM_UP_SLOT_PREFIX}%"}
         with store.engine.connect() as connection:
             state, query = connection.execute(
@@ -292,7 +329,7 @@ def test_a_warm_up_that_fails_midway_closes_its_connection_and_raises_a_store_er
             store.warm_up()
         driver = store._driver_connections()
         assert driver is not None
-        assert driver._spare is None and driver._open == []
+        assert driver._spares == [] and driver._open == []
         monkeypatch.undo()
         # And the next call connects afresh
         assert store.release(new_run_id()) == 0
