@@ -310,6 +310,48 @@ def test_postgresql_warm_up_rehearses_the_hot_path_in_a_transaction_it_rolls_bac
 
 
 @pytest.mark.postgres
+def test_a_standby_connection_stops_listening_once_its_wait_is_over_but_never_ends_a_newer_listen() -> None:
+    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+
+    store = SQLAlchemyStore(require_service("postgres"))
+    try:
+        driver = store._driver_connections()
+        assert driver is not None
+
+        def channels(connection: Any) -> list[str]:
+            return [row[0] for row in connection.execute("SELECT pg_listening_channels()")]
+
+        # When a standby's wait on its channel is over
+        assert driver.listening("caps_test_a", channels) == ["caps_test_a"]
+
+        # Then its connection stops listening (PostgreSQL wakes every listener on each NOTIFY),
+        # soon, from another thread
+        connection = driver._connection().driver_connection
+        deadline = time.monotonic() + 5
+        while channels(connection) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert channels(connection) == []
+
+        # Given the UNLISTEN of a standby that is over, held back (its thread busy)
+        unlistener = driver._unlistener
+        assert unlistener is not None
+        go_on = threading.Event()
+        unlistener.submit(go_on.wait, 10)
+        driver.listening("caps_test_b", channels)
+
+        # When the next standby listens, and that UNLISTEN runs while it waits
+        def wait_while_the_old_unlisten_runs(connection: Any) -> list[str]:
+            go_on.set()
+            unlistener.submit(lambda: None).result(10)
+            return channels(connection)
+
+        # Then the new standby goes on listening to its channel
+        assert driver.listening("caps_test_c", wait_while_the_old_unlisten_runs) == ["caps_test_c"]
+    finally:
+        store.close()
+
+
+@pytest.mark.postgres
 def test_a_warm_up_that_fails_midway_closes_its_connection_and_raises_a_store_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
