@@ -67,7 +67,8 @@ that dies leaves a mark that expires like a dispatch.
 Standby.  A hand-over through the broker costs a publish, the broker, the worker's main
 process and a claim between two tasks (milliseconds each, an idle slot meanwhile).  On a
 store that can signal (PostgreSQL's NOTIFY, a Redis list), a release that woke waiters also
-puts the next waiters of its slots *on standby* (``SlotStore.stand_by``:
+puts the next waiters of its slots *on standby* (right after, from the worker's background
+thread: the released task's process is free meanwhile) (``SlotStore.stand_by``:
 ``caps_standby_per_slot`` per slot name, at most the slot's limit, ``caps_standby_max`` in
 all) and publishes a copy of each with a ``caps_standby_mark`` header, to the wake queue.  A
 pool process that receives one records its holder in the standby and waits there
@@ -105,7 +106,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -318,11 +319,11 @@ def parks(runtime: CapsContext) -> bool:
     return parking_for(runtime).uses_park and runtime.store.supports_parking
 
 
-def release(runtime: CapsContext, run_id: str, slots: Sequence[str] = (), ran_seconds: float | None = None) -> int:
-    """Release ``run_id``; with park in use, hand its room to waiters and publish them.
+def release(runtime: CapsContext, run_id: str, after_wake: Callable[[], object] | None = None) -> int:
+    """Release ``run_id``; with park in use, hand its room to waiters and publish them, then
+    call ``after_wake`` if it woke any (a worker puts the next waiters on standby then, in the
+    background: see the module docstring).
 
-    With the run's ``slots`` and how long it ran, a release that woke waiters also puts the
-    next waiters of those slots on standby (see the module docstring).
     Returns the leases deleted.  Raises :class:`StoreError` like ``SlotStore.release``.
     """
     store = runtime.store
@@ -330,8 +331,8 @@ def release(runtime: CapsContext, run_id: str, slots: Sequence[str] = (), ran_se
         return store.release(run_id)
     deleted, woken = store.release_and_wake(run_id, dispatch_lease_seconds(runtime))
     publish_woken(runtime.app, woken)
-    if woken and slots and ran_seconds is not None:
-        stand_by(runtime, slots, ran_seconds)
+    if woken and after_wake is not None:
+        after_wake()
     return deleted
 
 

@@ -223,10 +223,11 @@ class CapsRuntime:
 
     def _release_run(self, run_id: str, run: HeldRun | None = None) -> int:
         """The store release of one run (leases deleted); with the park strategy it also wakes
-        waiters, and given the run, puts the next ones on standby."""
+        waiters, and given the run, puts the next ones on standby in the background (for the
+        hand-overs to come: the task's process is free for its next message sooner)."""
         if run is None:
             return parking.release(self, run_id)
-        return parking.release(self, run_id, run.slots, time.time() - run.started_at)
+        return parking.release(self, run_id, after_wake=lambda: self.stand_by_soon(run.task_name, run.slots))
 
     def deferred(
         self,
@@ -418,8 +419,8 @@ class CapsRuntime:
                     self._keeper.start()
 
     def stand_by_soon(self, task_name: str | None, slots: Sequence[str]) -> None:
-        """A run of ``task_name`` started with tasks waiting behind it: put the next of them on
-        standby, in the background (see :func:`celery_caps.parking.stand_by`), unless this
+        """A run of ``task_name`` started with tasks waiting behind it, or ended and woke some:
+        put the next of them on standby, in the background (see :func:`celery_caps.parking.stand_by`), unless this
         process saw that task's last run take too long for a standby to pay (a first run counts
         as short)."""
         ran_seconds = self._run_seconds.get(task_name, 0.0)
