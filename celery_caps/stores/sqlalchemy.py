@@ -831,10 +831,16 @@ _CALL_STAND_BY_FUNCTION_DRIVER = (
 )
 # The waiting process's side, on its own thread's driver connection (psycopg's style).
 _STANDBY_RECORD_DRIVER = "SELECT mark, dispatch_run_id, holder FROM concurrency_standby WHERE task_id = %(task_id)s"
-# The process waits: a release that takes the standby from now on hands it its leases claimed.
+# The process waits (given a holder): a release that takes the standby from now on hands it its
+# leases claimed.  One statement: how many records it registered in (1: waiting), then the record
+# as the statement found it (to tell a copy that came late what the release took it for).
 _REGISTER_STANDBY_DRIVER = (
-    "UPDATE concurrency_standby SET holder = %(holder)s, lease_seconds = %(lease_seconds)s "
-    "WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
+    "WITH registered AS ("
+    " UPDATE concurrency_standby SET holder = %(holder)s, lease_seconds = %(lease_seconds)s"
+    " WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
+    " AND %(holder)s::text IS NOT NULL RETURNING 1)"
+    " SELECT (SELECT count(*) FROM registered), s.mark, s.dispatch_run_id, s.holder"
+    " FROM (SELECT 1) AS one LEFT JOIN concurrency_standby s ON s.task_id = %(task_id)s"
 )
 _END_STANDBY_DRIVER = (
     "DELETE FROM concurrency_standby WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
@@ -996,8 +1002,10 @@ class _DriverConnections:
         finally:
             self._local.connection = earlier
 
-    def listening(self, channel: str, work: Callable[[Any], _T]) -> _T:
-        """``work(psycopg connection)`` while this thread's connection listens to ``channel``.
+    def listening(self, channel: str, statement: str, params: Mapping[str, Any], work: Callable[[Any, Any], _T]) -> _T:
+        """``work(psycopg connection, row)`` while this thread's connection listens to ``channel``;
+        ``row`` is the first row of ``statement``, run in the same round trip and transaction
+        as the ``LISTEN`` (a psycopg pipeline; two round trips where libpq has none).
 
         Once ``work`` is done, the connection stops listening, from another thread: PostgreSQL
         wakes every listening session of the database on each ``NOTIFY`` (measured here, 16
@@ -1007,7 +1015,7 @@ class _DriverConnections:
 
         Raises the driver's error after invalidating the connection.
         """
-        from psycopg import sql
+        from psycopg import Pipeline, sql
 
         fairy = self._connection()
         connection = fairy.driver_connection
@@ -1015,9 +1023,17 @@ class _DriverConnections:
         with lock:
             # A pending UNLISTEN of an earlier standby now finds a newer listen, and skips it.
             generation = fairy.info[_LISTEN_GENERATION] = fairy.info.get(_LISTEN_GENERATION, 0) + 1
+        listen = sql.SQL("LISTEN {}").format(sql.Identifier(channel))
         try:
-            connection.execute(sql.SQL("UNLISTEN *; LISTEN {}").format(sql.Identifier(channel)))
-            return work(connection)
+            if Pipeline.is_supported():
+                with connection.pipeline():
+                    connection.execute("UNLISTEN *")
+                    connection.execute(listen)
+                    cursor = connection.execute(statement, params)
+            else:
+                connection.execute(sql.SQL("UNLISTEN *; {}").format(listen))
+                cursor = connection.execute(statement, params)
+            return work(connection, cursor.fetchone())
         except self._error:
             self._drop(fairy)
             raise
@@ -2235,9 +2251,9 @@ class SQLAlchemyStore(SlotStore):
         channel = standby_channel(task_id)
         params = {"task_id": task_id, "mark": mark, "holder": holder, "lease_seconds": lease_seconds}
 
-        def record(connection: Any) -> tuple[bool, StandbyDispatch | None]:
-            """Whether the standby record is this mark's, and the dispatch a release took it for."""
-            row = connection.execute(_STANDBY_RECORD_DRIVER, params).fetchone()
+        def read(row: Any) -> tuple[bool, StandbyDispatch | None]:
+            """Whether a standby record (mark, dispatch run id, holder) is this mark's, and the
+            dispatch a release took it for."""
             if row is None or row[0] != mark:
                 return False, None
             # Claimed for this process only if the release used its own name (another copy's,
@@ -2245,14 +2261,15 @@ class SQLAlchemyStore(SlotStore):
             claimed = holder is not None and row[2] == holder
             return True, (StandbyDispatch(str(row[1]), claimed=claimed) if row[1] else None)
 
-        def wait(connection: Any) -> StandbyDispatch | None:
-            if holder is not None and connection.execute(_REGISTER_STANDBY_DRIVER, params).rowcount == 1:
-                waiting = True
-            else:
-                mine, dispatch = record(connection)
+        def record(connection: Any) -> tuple[bool, StandbyDispatch | None]:
+            return read(connection.execute(_STANDBY_RECORD_DRIVER, params).fetchone())
+
+        def wait(connection: Any, registered: Any) -> StandbyDispatch | None:
+            waiting = registered[0] == 1
+            if not waiting:
+                mine, dispatch = read(registered[1:])
                 if not mine or dispatch is not None:
                     return dispatch
-                waiting = False
             deadline = time.monotonic() + timeout
             while waiting and (remaining := deadline - time.monotonic()) > 0:
                 ended = False
@@ -2275,7 +2292,7 @@ class SQLAlchemyStore(SlotStore):
             return record(connection)[1]
 
         try:
-            return driver.listening(channel, wait)
+            return driver.listening(channel, _REGISTER_STANDBY_DRIVER, params, wait)
         except Exception as exc:
             raise StoreError(f"await_standby failed on {self.display_url}: {type(exc).__name__}: {exc}") from exc
 

@@ -318,11 +318,14 @@ def test_a_standby_connection_stops_listening_once_its_wait_is_over_but_never_en
         driver = store._driver_connections()
         assert driver is not None
 
-        def channels(connection: Any) -> list[str]:
+        def channels(connection: Any, _row: Any = None) -> list[str]:
             return [row[0] for row in connection.execute("SELECT pg_listening_channels()")]
 
+        def listening(channel: str, work: Callable[[Any, Any], list[str]]) -> list[str]:
+            return driver.listening(channel, "SELECT 1", {}, work)
+
         # When a standby's wait on its channel is over
-        assert driver.listening("caps_test_a", channels) == ["caps_test_a"]
+        assert listening("caps_test_a", channels) == ["caps_test_a"]
 
         # Then its connection stops listening (PostgreSQL wakes every listener on each NOTIFY),
         # soon, from another thread
@@ -337,16 +340,16 @@ def test_a_standby_connection_stops_listening_once_its_wait_is_over_but_never_en
         assert unlistener is not None
         go_on = threading.Event()
         unlistener.submit(go_on.wait, 10)
-        driver.listening("caps_test_b", channels)
+        listening("caps_test_b", channels)
 
         # When the next standby listens, and that UNLISTEN runs while it waits
-        def wait_while_the_old_unlisten_runs(connection: Any) -> list[str]:
+        def wait_while_the_old_unlisten_runs(connection: Any, _row: Any) -> list[str]:
             go_on.set()
             unlistener.submit(lambda: None).result(10)
             return channels(connection)
 
         # Then the new standby goes on listening to its channel
-        assert driver.listening("caps_test_c", wait_while_the_old_unlisten_runs) == ["caps_test_c"]
+        assert listening("caps_test_c", wait_while_the_old_unlisten_runs) == ["caps_test_c"]
     finally:
         store.close()
 
