@@ -158,6 +158,17 @@ class CapsRuntime:
             self.store.warm_up(threads=2, renewals=True)
         except Exception as exc:  # a StoreError, or a bad setting the worker reports at start
             logger.info("celery-caps: the slot store was not warmed up (%s); the first task connects", exc)
+            return
+        if not parking.parks(self):
+            return
+        # With park, a pool process publishes (woken tasks, standby copies) from its first runs
+        # on, while hand-overs wait for those messages: connect its producer to the broker now.
+        try:
+            with self.app.producer_or_acquire() as producer:
+                producer.connection.ensure_connection(max_retries=1)
+                _ = producer.channel  # opened on first use otherwise
+        except Exception as exc:  # the first publish tries again
+            logger.info("celery-caps: no broker connection ahead of the first hand-over (%s)", exc)
 
     def close(self) -> None:
         """Stop the keeper and close the store (connections it opened)."""
