@@ -67,10 +67,11 @@ that dies leaves a mark that expires like a dispatch.
 Standby.  A hand-over through the broker costs a publish, the broker, the worker's main
 process and a claim between two tasks (milliseconds each, an idle slot meanwhile).  On a
 store that can signal (PostgreSQL's NOTIFY, a Redis list), a release that woke waiters also
-puts the next waiters of its slots *on standby* (right after, from the worker's background
-thread: the released task's process is free meanwhile) (``SlotStore.stand_by``:
+puts the next waiters of its slots *on standby* (``SlotStore.stand_by``:
 ``caps_standby_per_slot`` per slot name, at most the slot's limit, ``caps_standby_max`` in
-all) and publishes a copy of each with a ``caps_standby_mark`` header, to the wake queue.  A
+all) and publishes a copy of each with a ``caps_standby_mark`` header, to the wake queue;
+right after the release, from the worker's background thread (the released task's process is
+free for its next message meanwhile).  A
 pool process that receives one records its holder in the standby and waits there
 (``SlotStore.await_standby``, up to ``caps_standby_seconds``).  A release that dispatches a
 waiter on standby creates its leases in that process's name, signals it in the dispatch's

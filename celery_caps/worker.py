@@ -431,9 +431,9 @@ class CapsRuntime:
 
     def stand_by_soon(self, task_name: str | None, slots: Sequence[str]) -> None:
         """A run of ``task_name`` started with tasks waiting behind it, or ended and woke some:
-        put the next of them on standby, in the background (see :func:`celery_caps.parking.stand_by`), unless this
-        process saw that task's last run take too long for a standby to pay (a first run counts
-        as short)."""
+        put the next of them on standby, in the background (see
+        :func:`celery_caps.parking.stand_by`), unless this process saw that task's last run take
+        too long for a standby to pay (a first run counts as short)."""
         ran_seconds = self._run_seconds.get(task_name, 0.0)
         self.in_background(
             "putting waiters on standby",
