@@ -18,7 +18,9 @@ max, Jain's index) and of per-tenant median waits against their ideal.
 
 Every waiting strategy the library has is an entry of :data:`STRATEGIES` (backoff
 with its default bounds and with tight ones, and park and wake), with the settings
-that select it.
+that select it.  Two entries run the global variant on a fleet with no process to spare
+(:data:`SMALL_FLEETS`: one worker with ``-c 4`` under the cap of 4), where the cap hardly
+binds and every hand-over goes through the freed process itself.
 """
 
 from __future__ import annotations
@@ -73,6 +75,19 @@ STRATEGIES: dict[str, dict[str, str]] = {
     "park, prefetch 4": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park", "CAPS_BENCH_PREFETCH": "4"},
     # Park, with a task that finds room when sent sent without taking its slots (caps_admit_on_publish off).
     "park without admit on publish": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_admit_on_publish=False"},
+    # A fleet with no process to spare: one worker with as many processes as the cap has slots.
+    "park, 1 worker x -c 4": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park"},
+    "backoff 0.05-1s, 1 worker x -c 4": {
+        "CAPS_BENCH_BACKOFF_MIN": "0.05",
+        "CAPS_BENCH_BACKOFF_MAX": "1",
+        "CAPS_BENCH_EXTRA_CONF": "caps_strategy=backoff",
+    },
+}
+#: Strategies measured on another fleet than WORKERS x CONCURRENCY: (workers, processes each).
+#: The global variant only (8 tenants of a cap of 1 cannot all run on 4 processes).
+SMALL_FLEETS: dict[str, tuple[int, int]] = {
+    "park, 1 worker x -c 4": (1, GLOBAL_LIMIT),
+    "backoff 0.05-1s, 1 worker x -c 4": (1, GLOBAL_LIMIT),
 }
 
 
@@ -116,12 +131,14 @@ def run(report: Report, options: Options) -> None:
             )
             vacuum_database(caps_url)
             fleet = BenchFleet(env, Path(options.tmp_dir) / "logs")
+            workers, concurrency = SMALL_FLEETS.get(strategy, (WORKERS, CONCURRENCY))
+            variants = ("global",) if strategy in SMALL_FLEETS else ("global", "per-key")
             try:
-                options.log(f"[utilisation] {store}, {strategy}: starting {WORKERS} workers x -c {CONCURRENCY}")
-                fleet.start(WORKERS, CONCURRENCY)
+                options.log(f"[utilisation] {store}, {strategy}: starting {workers} workers x -c {concurrency}")
+                fleet.start(workers, concurrency)
                 trials: dict[str, list[dict[str, Any]]] = defaultdict(list)
                 for repeat in range(repeats):
-                    for variant in ("global", "per-key"):
+                    for variant in variants:
                         trial = run_trial(fleet, variant, backlog if variant == "global" else tenant_backlog, options)
                         trials[variant].append(trial)
                         options.log(
@@ -132,7 +149,7 @@ def run(report: Report, options: Options) -> None:
                         if not trial["completed"]:
                             # Put-back copies still held by the workers would run in the next trial.
                             fleet.stop()
-                            fleet.start(WORKERS, CONCURRENCY)
+                            fleet.start(workers, concurrency)
                 report_strategy(report, store, strategy, trials, {"global": backlog, "per-key": tenant_backlog})
             except Exception as exc:  # the next strategy still runs
                 report.note(f"utilisation on {store}, {strategy} failed: {type(exc).__name__}: {str(exc)[:300]}")
@@ -316,7 +333,7 @@ def report_strategy(
             Figure(PART, f"{store}, {strategy}, {variant}: {label}", median(series), unit, repeats=series, **kwargs)
         )
 
-    for variant in ("global", "per-key"):
+    for variant in list(trials):
         trial_list = trials[variant]
         incomplete = sum(not trial["completed"] for trial in trial_list)
         detail = {"trials": trial_list, "incomplete_trials": incomplete, "backlog": backlogs[variant]}
