@@ -281,12 +281,13 @@ def at_least(value: float, limit: float) -> bool | None:
 
 
 class CpuSteal:
-    """How much of the machine's CPU time the hypervisor gave to others between :meth:`start`
-    and :meth:`fraction` (the ``steal`` column of Linux's ``/proc/stat``, over all columns).
+    """How much of the machine's CPU time the hypervisor gave to others from this object's
+    creation to :meth:`fraction` (the ``steal`` column of Linux's ``/proc/stat``, over all
+    columns).
 
     On a shared virtual machine that is the noise a figure cannot correct for: a trial whose
-    steal is a few percent ran on a quiet host, one at 15% did not.  Counted from its
-    creation; NaN where there is no ``/proc/stat``.
+    steal is a few percent ran on a quiet host, one at 15% did not.  NaN where there is no
+    ``/proc/stat``.
     """
 
     def __init__(self) -> None:

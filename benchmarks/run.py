@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                 for line in traceback.format_exception(exc):
                     print(line if len(line) < 1000 else line[:1000] + " ...", end="", file=sys.stderr)
             # How noisy the host was meanwhile (CPU time the hypervisor gave to others).
-            report.note(f"part {part}: CPU steal {steal.fraction():.1%} of the machine's CPU time")
-            options.log(f"== {part}: {time.monotonic() - started:.0f} s, CPU steal {steal.fraction():.1%} ==")
+            stolen = steal.fraction()
+            report.note(f"part {part}: CPU steal {stolen:.1%} of the machine's CPU time")
+            options.log(f"== {part}: {time.monotonic() - started:.0f} s, CPU steal {stolen:.1%} ==")
             # Write what we have after every part: a long run that fails late keeps its figures.
             report.write_json(args.json)
         report.print_table()

@@ -260,12 +260,12 @@ def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs:
         busy = elapsed = elapsed_since_sent = 0.0
         for tenant, tenant_runs in per_tenant.items():
             tenant_busy = len(tenant_runs) * duration
-            tenant_elapsed = max(run["end"] for run in tenant_runs) - first_start
+            tenant_end = max(run["end"] for run in tenant_runs)
+            tenant_elapsed = tenant_end - first_start
             busy += tenant_busy
             elapsed += tenant_elapsed
             # Not before the tenant's first task was sent: no strategy could start it earlier.
-            first_sent = max(first_start, tenant_runs[0]["published"])
-            elapsed_since_sent += max(run["end"] for run in tenant_runs) - first_sent
+            elapsed_since_sent += tenant_end - max(first_start, tenant_runs[0]["published"])
             shares[tenant] = tenant_busy / tenant_elapsed
             waits_here = [run["start"] - run["published"] for run in tenant_runs]
             ideal_here = [first_start + index * duration - run["published"] for index, run in enumerate(tenant_runs)]
