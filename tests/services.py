@@ -223,6 +223,8 @@ def delete_own_rows(target: StoreTarget, store: SlotStore, prefix: str) -> None:
 
         assert isinstance(store, SQLAlchemyStore)
         assert prefix.replace("-", "").isalnum()
+        if not sa.inspect(store.engine).has_table("concurrency_slots"):
+            return  # a test that never used its store (skipped, say) on a fresh database
         with store.engine.begin() as connection:
             connection.execute(
                 sa.text("DELETE FROM concurrency_slots WHERE slot LIKE :pattern"), {"pattern": f"{prefix}%"}

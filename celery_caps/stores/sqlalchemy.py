@@ -380,10 +380,20 @@ WAITERS_OF_SEVERAL_INDEX = "ix_concurrency_waiters_several"
 WAITERS_OF_SEVERAL_INDEX_DDL = (
     f"CREATE INDEX IF NOT EXISTS {WAITERS_OF_SEVERAL_INDEX} ON concurrency_waiters (slot) WHERE slot_count > 1"
 )
-POSTGRESQL_RELEASE_AND_WAKE_FUNCTION = "concurrency_slots_release_and_wake_v3"
+# A release, and the hand-over it makes, commits without waiting for its WAL record to reach the
+# disk (synchronous_commit off for its transaction only; admission, park and renew stay durable).
+# The flush is most of a commit's wait (0.5 of 1 ms after the connection sat idle through a
+# task), and the waiter on standby is signalled only after it.  A database crash can lose the
+# last fraction of a second of such commits, never a parked task: a lost release leaves its
+# lease to expire (fewer admissions, never more), a lost hand-over leaves its waiter in the list
+# to be handed over again (its task may then run twice, as one task id: at-least-once).
+_RELEASE_COMMITS_ASYNCHRONOUSLY = "    PERFORM set_config('synchronous_commit', 'off', true);"
+POSTGRESQL_RELEASE_AND_WAKE_FUNCTION = "concurrency_slots_release_and_wake_v4"
 # (v3: generic plans, see _GENERIC_PLANS; the other slots are looked for only when a waiter of
 # several slots waits, through a partial index; a dispatch's count is not taken again after it;
-# a waiter handed to its standby has no payload read.)
+# a waiter handed to its standby has no payload read.  v4: its transaction commits without
+# waiting for the WAL flush, see _RELEASE_COMMITS_ASYNCHRONOUSLY.  Workers of older versions
+# call the versions they created.)
 POSTGRESQL_RELEASE_AND_WAKE_FUNCTION_DDL = f"""
 CREATE FUNCTION {POSTGRESQL_RELEASE_AND_WAKE_FUNCTION}(p_run_id text, p_dispatch_lease_seconds double precision)
 RETURNS TABLE (
@@ -417,6 +427,7 @@ DECLARE
     f_count integer;
     f_name text;
 BEGIN
+{_RELEASE_COMMITS_ASYNCHRONOUSLY}
     WITH gone AS (DELETE FROM concurrency_slots c WHERE c.run_id = p_run_id RETURNING c.slot)
     SELECT count(*), coalesce(array_agg(DISTINCT gone.slot), '{{}}') INTO o_deleted, v_released FROM gone;
     IF o_deleted = 0 THEN

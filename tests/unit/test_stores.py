@@ -310,6 +310,58 @@ def test_postgresql_warm_up_rehearses_the_hot_path_in_a_transaction_it_rolls_bac
 
 
 @pytest.mark.postgres
+def test_postgresql_hands_over_without_waiting_for_the_wal_flush_but_parks_and_admits_durably(prefix: str) -> None:
+    from celery_caps.stores.sqlalchemy import (
+        POSTGRESQL_ACQUIRE_FUNCTION,
+        POSTGRESQL_PARK_FUNCTION,
+        POSTGRESQL_RELEASE_AND_WAKE_FUNCTION,
+        SQLAlchemyStore,
+    )
+
+    store = SQLAlchemyStore(require_service("postgres"))
+    slots, limits = [f"{prefix}a"], [1]
+    calls = {
+        # (Each in a transaction rolled back: nothing is kept.)
+        POSTGRESQL_ACQUIRE_FUNCTION: (slots, limits, f"{prefix}t1", new_run_id(), HOLDER, LONG_LEASE, "t"),
+        POSTGRESQL_PARK_FUNCTION: (
+            slots,
+            limits,
+            f"{prefix}t2",
+            new_run_id(),
+            HOLDER,
+            LONG_LEASE,
+            "t",
+            b"m",
+            0.0,
+            10,
+            True,
+        ),
+        POSTGRESQL_RELEASE_AND_WAKE_FUNCTION: (new_run_id(), LONG_LEASE),
+    }
+    try:
+        store.status()  # creates the functions
+        committed_with = {}
+        with store.engine.connect() as connection:
+            for function, arguments in calls.items():
+                with connection.begin() as transaction:
+                    placeholders = ", ".join(f":a{index}" for index in range(len(arguments)))
+                    params = {f"a{index}": value for index, value in enumerate(arguments)}
+                    connection.execute(sa.text(f"SELECT * FROM {function}({placeholders})"), params).all()
+                    # How the transaction that called it will commit
+                    committed_with[function] = connection.execute(sa.text("SHOW synchronous_commit")).scalar()
+                    transaction.rollback()
+            assert connection.execute(sa.text("SHOW synchronous_commit")).scalar() == "on"
+        # A release (and its hand-over) skips the flush; admission and park wait for it
+        assert committed_with == {
+            POSTGRESQL_ACQUIRE_FUNCTION: "on",
+            POSTGRESQL_PARK_FUNCTION: "on",
+            POSTGRESQL_RELEASE_AND_WAKE_FUNCTION: "off",
+        }
+    finally:
+        store.close()
+
+
+@pytest.mark.postgres
 def test_a_standby_connection_stops_listening_once_its_wait_is_over_but_never_ends_a_newer_listen() -> None:
     from celery_caps.stores.sqlalchemy import SQLAlchemyStore
 
