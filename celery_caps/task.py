@@ -442,27 +442,52 @@ class CappedTask(Task):  # type: ignore[misc]
             dispatch_run_id = dispatch.run_id
         park = parking_for(runtime).strategy_for(self._caps) == PARK and runtime.store.supports_parking
         if dispatch_run_id and (park or standby_mark):
-            claimed = self._claim_dispatch(runtime, request, str(dispatch_run_id), slots, holder, deferrals)
+            try:
+                claimed = self._claim_dispatch(runtime, request, str(dispatch_run_id), slots, holder, deferrals)
+            except StoreError as exc:
+                # Its dispatch may still be live, and its entry is still in the waiting list:
+                # admitted afresh, it would run once more when that entry is dispatched again.
+                # Its copy keeps the dispatch, to claim it on its return.
+                self._on_store_error(runtime, request, slots, args, kwargs, exc, str(dispatch_run_id))
+                return None  # caps_on_store_error = "run": uncapped
             if claimed is not None:
                 runtime.metrics.admitted(slots, _seconds_since_first_deferral(request))
                 return claimed
         try:
             admission, run_id = runtime.acquire(slots, request.id, holder, task_name=self.name, deferrals=deferrals)
         except StoreError as exc:
-            policy = runtime.settings.on_store_error
-            if policy == "run":
-                logger.warning("%s[%s] runs uncapped: slot store error (%s)", self.name, request.id, exc)
-                return None
-            if policy == "fail":
-                raise
-            logger.warning("%s[%s] put back: slot store error (%s)", self.name, request.id, exc)
-            self._put_back(runtime, request, slots, list(slots), args, kwargs, reason="store_error")
+            self._on_store_error(runtime, request, slots, args, kwargs, exc)
+            return None  # caps_on_store_error = "run": uncapped
         if not admission.granted and park:
             run_id = self._park(runtime, request, slots, list(admission.full_slots), holder, args, kwargs)
         elif not admission.granted:
             self._put_back(runtime, request, slots, list(admission.full_slots), args, kwargs)
         runtime.metrics.admitted(slots, _seconds_since_first_deferral(request))
         return run_id
+
+    def _on_store_error(
+        self,
+        runtime: CapsRuntime,
+        request: Any,
+        slots: Mapping[str, int],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        exc: StoreError,
+        dispatch_run_id: str | None = None,
+    ) -> None:
+        """Admission met a store error: ``caps_on_store_error`` says whether the task runs
+        uncapped (returns), fails (raises ``exc``) or is put back (raises ``Ignore``), its copy
+        carrying ``dispatch_run_id`` if given."""
+        policy = runtime.settings.on_store_error
+        if policy == "run":
+            logger.warning("%s[%s] runs uncapped: slot store error (%s)", self.name, request.id, exc)
+            return
+        if policy == "fail":
+            raise exc
+        logger.warning("%s[%s] put back: slot store error (%s)", self.name, request.id, exc)
+        self._put_back(
+            runtime, request, slots, list(slots), args, kwargs, reason="store_error", dispatch_run_id=dispatch_run_id
+        )
 
     # -- park and wake (caps_strategy = "park"; see celery_caps.parking) ------------------
 
@@ -478,14 +503,15 @@ class CappedTask(Task):  # type: ignore[misc]
             if limit:
                 wait = min(wait, float(limit) / 2)
         store = runtime.store
-        if not store.supports_standby:
-            raise Ignore()
-        # A store error (a lost connection, an outage) does not end the standby: its record
-        # still names this process, and a release would hand it the slot in this name, so the
-        # process waits on, connecting again, until the wait is over.
+        # A store error (a lost connection, an outage, even before this process first reached
+        # the store) does not end the standby: its record still names this process, and a
+        # release would hand it the slot in this name, so the process waits on, connecting
+        # again, until the wait is over.
         deadline = time.monotonic() + wait
         while True:
             try:
+                if not store.supports_standby:
+                    raise Ignore()
                 dispatch = store.await_standby(
                     request.id, mark, max(deadline - time.monotonic(), 0.0), holder, runtime.settings.lease_seconds
                 )
@@ -542,17 +568,14 @@ class CappedTask(Task):  # type: ignore[misc]
         deferrals: int,
     ) -> str | None:
         """A woken task, or one that took its slots when sent: claim the dispatch leases taken
-        for it; None if they expired.
+        for it; None if they expired.  A store error is raised (the caller puts the task back
+        with its dispatch).
 
         A task that took its slots when sent, with tasks waiting behind it, puts the next of them
         on standby as it starts (in the background): the first hand-over of a burst then goes
         through a standby too.  (A woken task's releaser did that already.)
         """
-        try:
-            claimed = runtime.store.claim_dispatch(request.id, dispatch_run_id, holder, runtime.settings.lease_seconds)
-        except StoreError as exc:
-            logger.warning("%s[%s]: could not claim its dispatched slots (%s)", self.name, request.id, exc)
-            return None
+        claimed = runtime.store.claim_dispatch(request.id, dispatch_run_id, holder, runtime.settings.lease_seconds)
         if claimed.leases == len(slots):
             runtime.hold(dispatch_run_id, request.id, slots, holder, self.name, deferrals)
             if claimed.waiters_behind and _wake_queue_of(request) is None:
@@ -635,8 +658,10 @@ class CappedTask(Task):  # type: ignore[misc]
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         reason: str = "full",
+        dispatch_run_id: str | None = None,
     ) -> None:
-        """Publish the task again with a countdown, then end this copy with ``Ignore``."""
+        """Publish the task again with a countdown, then end this copy with ``Ignore``; the
+        copy claims ``dispatch_run_id`` when it comes back, if given."""
         settings = runtime.settings
         deferrals, first_deferred_at, waited = self._waiting_so_far(runtime, request, full_slots)
         countdown = backoff_seconds(deferrals, settings.backoff_min_seconds, settings.backoff_max_seconds)
@@ -645,6 +670,8 @@ class CappedTask(Task):  # type: ignore[misc]
             countdown = min(countdown, max(settings.max_wait_seconds - waited, 0.0) + 0.01)
         headers = _republish_headers(request, deferrals, first_deferred_at)
         headers[COUNTDOWN_HEADER] = countdown
+        if dispatch_run_id is not None:
+            headers[DISPATCH_HEADER] = dispatch_run_id
         signature = self.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
         waiting = {
             "task_name": self.name,

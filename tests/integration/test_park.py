@@ -439,6 +439,59 @@ def test_a_release_retried_after_a_store_outage_wakes_the_waiter(
     assert fleet.record().starts[waiter] == 1
 
 
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_a_task_whose_claim_meets_a_store_outage_claims_its_dispatch_when_it_comes_back(
+    postgres_proxy: tuple[TcpProxy, str], make_fleet: FleetFactory, postgres_store: SlotStore
+) -> None:
+    proxy, caps_url = postgres_proxy
+    fleet = make_fleet(
+        broker=require_service("redis"), caps_url=caps_url, strategy="park", backoff_min=0.2, backoff_max=0.5
+    )
+    store = postgres_store  # straight to PostgreSQL: readable during the outage
+    scope = uuid.uuid4().hex[:16]
+    hold = fleet.app.tasks["fleet.hold"]
+
+    # Given no worker running, a task that took its slot (a cap of 1) as it was sent, for a
+    # dispatch lease of 30 s, and a second one parked behind it
+    first = hold.apply_async(args=[scope, 0.2]).id
+    second = hold.apply_async(args=[scope, 0.2]).id
+    [dispatch] = store.leases(fleet.slot(f"one:{scope}"))
+    assert (dispatch.task_id, dispatch.holder) == (first, DISPATCH_HOLDER)
+    wait_parked(store, second)
+
+    # When a worker receives the first while the store is away, so that its claim fails
+    proxy.close()
+    fleet.start(1, concurrency=2)
+    wait_for(
+        lambda: "could not claim" in fleet.tails() or "put back: slot store error" in fleet.tails(),
+        30,
+        "the first task never met the outage",
+    )
+    time.sleep(1.0)
+    assert fleet.record().starts[first] == 0, "it ran while the store was away"
+
+    # ... and the store comes back
+    proxy.open()
+
+    # Then its put-back copy claims the dispatch it was sent with (admitted afresh under a run
+    # of its own, it would leave the dispatch lease holding the slot for 30 s, and the second
+    # task waiting behind it); its release hands the slot to the second at once
+    wait_for(
+        lambda: fleet.record().done[second] >= 1,
+        15,
+        lambda: f"the second task did not run within 15 s of the store's return:\n{fleet.tails()}",
+    )
+    record = fleet.record()
+    assert (record.starts[first], record.starts[second]) == (1, 1)
+    wait_for(lambda: store.leases(fleet.slot(f"one:{scope}")) == [], 5, "leases left")
+    assert not parked(store, second)
+    # ... and the second's standby copy, which met the outage before its process had ever
+    # reached the store, waited on through it instead of failing
+    logs = "\n".join(worker.log() for worker in fleet.workers)
+    assert "raised unexpected" not in logs and "Traceback" not in logs, logs[-4000:]
+
+
 # -- standby: a pool process that waits for the next hand-over ----------------------------
 
 
