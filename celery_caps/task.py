@@ -49,9 +49,6 @@ from .worker import CapsRuntime, holder_name, runtime_for
 
 logger = logging.getLogger(__name__)
 
-#: Tries of the background claim of a task handed over on standby.
-_CLAIM_ATTEMPTS = 3
-
 
 def _green_kill_exceptions() -> tuple[type[BaseException], ...]:
     """What a green pool raises in a greenlet it kills (gevent, eventlet: ``GreenletExit``)."""
@@ -537,25 +534,13 @@ class CappedTask(Task):  # type: ignore[misc]
         holder: str,
         deferrals: int,
     ) -> str:
-        """A release handed this standby its leases claimed: run now, and take the task off the
-        waiting list meanwhile (``claim``, in the background; should this process die first,
-        the sweep dispatches the task again once its dispatch expires: at least once)."""
+        """A release handed this standby its leases claimed (in this process's name, for a full
+        lease): run now, and take the task off the waiting list meanwhile, in the background
+        (retried after a store error; should this process die first, the sweep dispatches
+        the task again once its dispatch expires: at least once)."""
         runtime.hold(run_id, request.id, slots, holder, self.name, deferrals)
         runtime.metrics.admitted(slots, _seconds_since_first_deferral(request))
-        store, task_id, lease_seconds = runtime.store, str(request.id), runtime.settings.lease_seconds
-
-        def claim() -> int:
-            # A few tries: a task left in the list would be dispatched again once its dispatch expires.
-            for attempt in range(1, _CLAIM_ATTEMPTS + 1):
-                try:
-                    return store.claim(task_id, run_id, holder, lease_seconds)
-                except StoreError:
-                    if attempt == _CLAIM_ATTEMPTS:
-                        raise
-                    time.sleep(0.2 * attempt)
-            return 0
-
-        runtime.in_background(f"taking {task_id} off the waiting list", claim)
+        runtime.unlist_handed_over(str(request.id), run_id, self.name)
         return run_id
 
     def _claim_dispatch(

@@ -37,7 +37,7 @@ from .errors import LeaseLost, StoreError
 from .history import HistoryRecorder
 from .metrics import metrics_for
 from .settings import CapsSettings
-from .stores.base import Admission, HistoryEvent, SlotStore, store_from_url
+from .stores.base import Admission, HistoryEvent, SlotStore, Woken, store_from_url
 from .stores.base import green_threads as _green_threads
 
 if TYPE_CHECKING:
@@ -99,6 +99,10 @@ class CapsRuntime:
         # Runs whose release failed (store unreachable): retried by the keeper, so that
         # their slots free soon after the store returns rather than a lease later.
         self._unreleased: set[str] = set()
+        # Tasks handed over on standby whose entry in the waiting list could not be deleted
+        # (task id -> the dispatch's run id): retried by the keeper, or the sweep would
+        # dispatch them again once the dispatch expires, and they would run twice.
+        self._unlisted: dict[str, str] = {}
         self._keeper: LeaseKeeper | None = None
         #: Renewal ticks that failed (store unreachable) in this process.
         self.renewal_failures = 0
@@ -122,6 +126,8 @@ class CapsRuntime:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._held = {}
+        self._unreleased = set()  # (the parent's, which it retries itself)
+        self._unlisted = {}
         self._keeper = None
         self._background = None
         if self.history is not None:
@@ -302,9 +308,42 @@ class CapsRuntime:
         with self._lock:
             return len(self._unreleased)
 
-    def has_unreleased(self) -> bool:
+    def unlist_handed_over(self, task_id: str, run_id: str, task_name: str | None) -> None:
+        """Take a task that a release handed over on standby (dispatch ``run_id``) off the
+        waiting list, in the background; after a store error, the keeper tries again every
+        second.  Only an entry still dispatched as ``run_id`` is deleted: the same task id
+        parked again (a retry) or dispatched again (the sweep) is left alone."""
+        handed_over = [Woken(task_id, run_id, b"", task_name)]
+
+        def unlist() -> int:
+            try:
+                return self.store.settle_published(handed_over)
+            except StoreError as exc:
+                logger.warning("could not take %s off the waiting list (%s); retrying every second", task_id, exc)
+                with self._lock:
+                    self._unlisted[task_id] = run_id
+                self._ensure_keeper()
+                return 0
+
+        self.in_background(f"taking {task_id} off the waiting list", unlist)
+
+    def retry_unlists(self) -> int:
+        """Take off the waiting list the tasks handed over on standby whose entry could not be
+        deleted earlier; returns how many are still pending."""
         with self._lock:
-            return bool(self._unreleased)
+            pending = list(self._unlisted.items())
+        for task_id, run_id in pending:
+            deleted = self.store.settle_published([Woken(task_id, run_id, b"")])  # a StoreError: next tick
+            with self._lock:
+                self._unlisted.pop(task_id, None)
+            logger.info("took %s off the waiting list after an earlier failure (%d entries)", task_id, deleted)
+        with self._lock:
+            return len(self._unlisted)
+
+    def has_unreleased(self) -> bool:
+        """Whether releases (or the unlisting of handed-over tasks) failed and wait for a retry."""
+        with self._lock:
+            return bool(self._unreleased or self._unlisted)
 
     # -- lease loss: the fencing check and caps_on_lease_lost -------------------------
 
@@ -488,6 +527,7 @@ class LeaseKeeper(threading.Thread):
             if self.runtime.has_unreleased():
                 try:
                     self.runtime.retry_releases()
+                    self.runtime.retry_unlists()
                 except StoreError as exc:
                     logger.debug("release retry failed (%s)", exc)
                 except Exception:

@@ -727,6 +727,8 @@ _MARKED = (
     "ORDER BY first_deferred_at, parked_at, task_id"
 )
 _SETTLE_PUBLISHED = "DELETE FROM concurrency_waiters WHERE dispatch_run_id = :mark AND task_id IN :task_ids"
+# One task settled (a task handed over on standby leaving the list), on the hot path's connection.
+_SETTLE_ONE_DRIVER = "DELETE FROM concurrency_waiters WHERE dispatch_run_id = %(mark)s AND task_id = %(task_id)s"
 _SETTLE_FAILED = (
     "UPDATE concurrency_waiters SET dispatch_run_id = NULL, dispatch_expires_at = NULL "
     "WHERE dispatch_run_id = :mark AND task_id IN :task_ids"
@@ -2177,6 +2179,10 @@ class SQLAlchemyStore(SlotStore):
         )
 
     def settle_published(self, published: Sequence[Woken], failed: Sequence[Woken] = ()) -> int:
+        driver = self._driver_connections() if self._schema_ready and len(published) == 1 and not failed else None
+        if driver is not None:
+            params = {"mark": published[0].run_id, "task_id": published[0].task_id}
+            return int(self._driver_call("settling published waiters", driver, _SETTLE_ONE_DRIVER, params).rowcount)
         statements = self._parking
         batches: list[tuple[sa.TextClause, str, list[str]]] = []
         for statement, woken in ((statements["settle_published"], published), (statements["settle_failed"], failed)):

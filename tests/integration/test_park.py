@@ -21,10 +21,10 @@ import pytest
 from celery.signals import before_task_publish
 
 from celery_caps.parking import DISPATCH_HEADER, STANDBY_HEADER, WAKE_QUEUE_SUFFIX, sweep_waiters
-from celery_caps.stores.base import DISPATCH_HOLDER, SlotStore, store_from_url
+from celery_caps.stores.base import DISPATCH_HOLDER, PARK_PARKED, SlotStore, store_from_url
 from celery_caps.worker import runtime_for
 from tests.integration.conftest import FleetFactory
-from tests.integration.fleet import Fleet, TcpProxy, mixed_workload, send_workload, wait_for
+from tests.integration.fleet import Fleet, TcpProxy, delete_slot_rows, mixed_workload, send_workload, wait_for
 from tests.integration.fleetapp import make_app, queue_name
 from tests.services import require_service
 
@@ -490,6 +490,57 @@ def test_a_task_whose_claim_meets_a_store_outage_claims_its_dispatch_when_it_com
     # reached the store, waited on through it instead of failing
     logs = "\n".join(worker.log() for worker in fleet.workers)
     assert "raised unexpected" not in logs and "Traceback" not in logs, logs[-4000:]
+
+
+@pytest.mark.postgres
+def test_a_handed_over_task_that_cannot_leave_the_waiting_list_leaves_it_once_the_store_is_back(
+    postgres_proxy: tuple[TcpProxy, str], postgres_store: SlotStore
+) -> None:
+    from celery import Celery
+
+    proxy, caps_url = postgres_proxy
+    store = postgres_store  # straight to PostgreSQL: readable during the outage
+    app = Celery("unlist", set_as_current=False)
+    app.conf.update(caps_url=caps_url, caps_strategy="park")
+    runtime = runtime_for(app)
+    scope = uuid.uuid4().hex[:16]
+    slot, task_id, again = f"caps-test-{scope}", f"caps-test-{scope}-t", f"caps-test-{scope}-again"
+    waiting = {"payload": b"m", "first_deferred_at": time.time(), "max_waiters": 10}
+    try:
+        # Given a task a release handed over (dispatch run id in its entry), whose process
+        # cannot take it off the waiting list: the store is away
+        holder_run = uuid.uuid4().hex
+        assert store.acquire({slot: 1}, f"{scope}-holder", holder_run, "h", 60).granted
+        store.park({slot: 1}, task_id, uuid.uuid4().hex, "h", 60, **waiting)
+        store.park({slot: 1}, again, uuid.uuid4().hex, "h", 60, **waiting)
+        _, [handed_over, *_] = store.release_and_wake(holder_run, 60)
+        assert handed_over.task_id == task_id
+        assert runtime.store.waiters(slot)  # (connected through the proxy)
+        proxy.close()
+        runtime.unlist_handed_over(task_id, handed_over.run_id, "t")
+        time.sleep(1.5)
+        assert parked(store, task_id)
+
+        # When the store comes back
+        proxy.open()
+
+        # Then its entry leaves the list within a second or two (not dispatched again once its
+        # dispatch expires, which would run it twice), and nobody else's entry does
+        wait_for(lambda: not parked(store, task_id), 5, "the handed-over task is still in the waiting list")
+        assert [waiter.task_id for waiter in store.waiters(slot)] == [again]
+        assert not runtime.has_unreleased()
+
+        # ... and a late retry never deletes an entry the task id got since (parked again, by a
+        # retry of it, say, once its run ended)
+        store.release(handed_over.run_id)
+        assert store.acquire({slot: 1}, f"{scope}-holder-2", uuid.uuid4().hex, "h", 60).granted
+        assert store.park({slot: 1}, task_id, uuid.uuid4().hex, "h", 60, **waiting) == PARK_PARKED
+        runtime.unlist_handed_over(task_id, handed_over.run_id, "t")
+        time.sleep(0.5)
+        assert parked(store, task_id)
+    finally:
+        runtime.close()
+        delete_slot_rows(store, slot)
 
 
 # -- standby: a pool process that waits for the next hand-over ----------------------------
