@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -127,15 +128,26 @@ class Recorder:
         self.url = url
         self.prefix = f"{prefix}rec:"
         self._pid = -1
-        self._client: redis.Redis | None = None
+        self._clients: dict[bool, redis.Redis] = {}
 
     @property
     def client(self) -> redis.Redis:
-        # One connection per process: a prefork child must not share its parent's socket.
-        if self._client is None or self._pid != os.getpid():
-            self._client = redis.Redis.from_url(self.url)
+        """This process's client: one for its main thread, one for its other threads.
+
+        A prefork child must not share its parent's socket.  And a threads-pool worker's task
+        threads must not share the main thread's connections.  Celery's cold-shutdown handler
+        raises in the main thread wherever it is; in one CI run it raised inside this
+        recorder's Redis call, and a task thread's end-of-run record was then lost (our
+        reading: the connection left half set up went back to the shared pool).
+        """
+        if self._pid != os.getpid():
+            self._clients = {}
             self._pid = os.getpid()
-        return self._client
+        main = threading.current_thread() is threading.main_thread()
+        client = self._clients.get(main)
+        if client is None:
+            client = self._clients[main] = redis.Redis.from_url(self.url)
+        return client
 
     def key(self, name: str) -> str:
         return self.prefix + name
