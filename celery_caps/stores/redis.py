@@ -740,7 +740,8 @@ class RedisStore(SlotStore):
         if registered[0] != b"waiting":
             return self._taken(registered)
         signal = self.signal_key(task_id)
-        deadline = time.monotonic() + timeout
+        # Not past the standby's expiry: a dispatch would no longer take it.
+        deadline = time.monotonic() + min(timeout, float(registered[1]))
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 # In steps well inside the client's socket timeout.

@@ -5,7 +5,8 @@
 --       'register', holder, lease seconds: the process waits (a dispatch from now on
 --                                          creates the run in its name);
 --       'end': the process gives up (the standby ends unless a dispatch took it).
--- Returns {'waiting'} (registered), {'ended'}, {'gone'} (not this mark's standby, or
+-- Returns {'waiting', seconds the standby has left} (registered: the wait ends by then, as no
+-- dispatch takes an expired standby), {'ended'}, {'gone'} (not this mark's standby, or
 -- expired), or {'taken', run id, 'claimed' | 'dispatched'}.
 
 local prefix, task_id, mark, mode = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -27,7 +28,7 @@ end
 if mode == 'register' then
   standby[4], standby[5] = ARGV[5], tonumber(ARGV[6])
   write_standby(prefix, task_id, standby)
-  return { 'waiting' }
+  return { 'waiting', string.format('%.6f', standby[2] - now) }
 end
 redis.call('HDEL', standby_key(prefix), task_id)
 redis.call('DEL', signal_key(prefix, task_id))

@@ -845,14 +845,17 @@ _CALL_STAND_BY_FUNCTION_DRIVER = (
 # The waiting process's side, on its own thread's driver connection (psycopg's style).
 _STANDBY_RECORD_DRIVER = "SELECT mark, dispatch_run_id, holder FROM concurrency_standby WHERE task_id = %(task_id)s"
 # The process waits (given a holder): a release that takes the standby from now on hands it its
-# leases claimed.  One statement: how many records it registered in (1: waiting), then the record
-# as the statement found it (to tell a copy that came late what the release took it for).
+# leases claimed.  One statement: how many records it registered in (1: waiting; never in an
+# expired record, which no release takes), the seconds the record has left (the wait ends by
+# then), then the record as the statement found it (to tell a copy that came late what the
+# release took it for).
 _REGISTER_STANDBY_DRIVER = (
     "WITH registered AS ("
     " UPDATE concurrency_standby SET holder = %(holder)s, lease_seconds = %(lease_seconds)s"
     " WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
-    " AND %(holder)s::text IS NOT NULL RETURNING 1)"
-    " SELECT (SELECT count(*) FROM registered), s.mark, s.dispatch_run_id, s.holder"
+    f" AND expires_at > {_NOW['postgresql']} AND %(holder)s::text IS NOT NULL RETURNING expires_at)"
+    " SELECT (SELECT count(*) FROM registered),"
+    f" (SELECT max(expires_at) FROM registered) - {_NOW['postgresql']}, s.mark, s.dispatch_run_id, s.holder"
     " FROM (SELECT 1) AS one LEFT JOIN concurrency_standby s ON s.task_id = %(task_id)s"
 )
 _END_STANDBY_DRIVER = (
@@ -2284,10 +2287,11 @@ class SQLAlchemyStore(SlotStore):
         def wait(connection: Any, registered: Any) -> StandbyDispatch | None:
             waiting = registered[0] == 1
             if not waiting:
-                mine, dispatch = read(registered[1:])
+                mine, dispatch = read(registered[2:])
                 if not mine or dispatch is not None:
                     return dispatch
-            deadline = time.monotonic() + timeout
+            # Not past the record's expiry: a release would no longer take it.
+            deadline = time.monotonic() + (min(timeout, float(registered[1])) if waiting else 0.0)
             while waiting and (remaining := deadline - time.monotonic()) > 0:
                 ended = False
                 for note in connection.notifies(timeout=remaining, stop_after=1):

@@ -1709,6 +1709,41 @@ def test_a_standby_that_times_out_ends_and_its_waiter_keeps_its_place(store: Slo
     assert [w.task_id for w in store.stand_by([slot], 1, 10_000, 30.0)] == [f"{prefix}last"]
 
 
+def test_a_standby_process_waits_no_longer_than_its_standby_lives(store: SlotStore, prefix: str) -> None:
+    """No release takes an expired standby (it hands the waiter back to publish instead): a
+    process never waits on one.  A copy that arrives late ends at once; one that waits ends when
+    the standby expires, not at its own (longer) timeout."""
+    store = standby_store(store)
+    slot = f"{prefix}s"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    assert park(store, {slot: 1}, f"{prefix}late", 1.0) == PARK_PARKED
+    assert park(store, {slot: 1}, f"{prefix}next", 2.0) == PARK_PARKED
+
+    # A copy arriving after its standby expired (held 0.2 s) does not wait its 20 s
+    [late] = store.stand_by([slot], 1, 10_000, 0.2)
+    assert late.task_id == f"{prefix}late"
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert store.await_standby(late.task_id, late.run_id, 20, HOLDER, LONG_LEASE) is None
+    assert time.monotonic() - started < 2, "the late copy waited on an expired standby"
+
+    # A copy waiting when its standby (held 1.5 s) expires stops then
+    [standby] = store.stand_by([slot], 1, 10_000, 1.5)
+    assert standby.task_id == f"{prefix}late"
+    started = time.monotonic()
+    assert store.await_standby(standby.task_id, standby.run_id, 20, HOLDER, LONG_LEASE) is None
+    waited = time.monotonic() - started
+    assert 0.5 < waited < 5, f"waited {waited:.1f} s for a standby of 1.5 s"
+
+    # The waiters keep their places, and the release hands the first back to publish
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
+        (f"{prefix}late", False),
+        (f"{prefix}next", False),
+    ]
+    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
+    assert (woken.task_id, woken.standby) == (f"{prefix}late", False)
+
+
 def test_forgetting_a_task_on_standby_ends_its_standby_and_stops_its_waiting_process_at_once(
     store: SlotStore, prefix: str
 ) -> None:
