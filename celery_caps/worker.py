@@ -96,13 +96,12 @@ class CapsRuntime:
         self._store: SlotStore | None = None
         self._lock = threading.Lock()
         self._held: dict[str, HeldRun] = {}
-        # Runs whose release failed (store unreachable): retried by the keeper, so that
-        # their slots free soon after the store returns rather than a lease later.
-        self._unreleased: set[str] = set()
-        # Tasks handed over on standby whose entry in the waiting list could not be deleted
-        # (task id -> the dispatch's run id): retried by the keeper, or the sweep would
-        # dispatch them again once the dispatch expires, and they would run twice.
-        self._unlisted: dict[str, str] = {}
+        # Store calls that failed (store unreachable), retried by the keeper every second until
+        # they succeed, keyed by what they are for: a run's release (so that its slots free soon
+        # after the store returns rather than a lease later), and the unlisting of a task handed
+        # over on standby (or the sweep would dispatch it again once its dispatch expires, and
+        # it would run twice).
+        self._failed_calls: dict[str, Callable[[], object]] = {}
         self._keeper: LeaseKeeper | None = None
         #: Renewal ticks that failed (store unreachable) in this process.
         self.renewal_failures = 0
@@ -126,8 +125,7 @@ class CapsRuntime:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._held = {}
-        self._unreleased = set()  # (the parent's, which it retries itself)
-        self._unlisted = {}
+        self._failed_calls = {}  # (the parent's, which it retries itself)
         self._keeper = None
         self._background = None
         if self.history is not None:
@@ -208,9 +206,7 @@ class CapsRuntime:
             # The error may have come after the store committed the leases (the connection
             # died before the reply): release the run once the store answers again, or its
             # leases would count against the caps until they expire.
-            with self._lock:
-                self._unreleased.add(run_id)
-            self._ensure_keeper()
+            self._retry_release(run_id)
             raise
         if admission.granted:
             with self._lock:
@@ -291,22 +287,33 @@ class CapsRuntime:
                 exc,
                 self.settings.lease_seconds,
             )
-            with self._lock:
-                self._unreleased.add(run_id)
-            self._ensure_keeper()
+            self._retry_release(run_id)
 
-    def retry_releases(self) -> int:
-        """Release the runs whose release failed earlier; returns how many are still pending."""
-        with self._lock:
-            pending = list(self._unreleased)
-        for run_id in pending:
-            deleted = self._release_run(run_id)  # a StoreError leaves the rest for the next tick
-            with self._lock:
-                self._unreleased.discard(run_id)
-            if deleted:
+    def _retry_release(self, run_id: str) -> None:
+        def release_again() -> None:
+            if self._release_run(run_id):
                 logger.info("released run %s after an earlier failure", run_id)
+
+        self._retry_later(f"release {run_id}", release_again)
+
+    def _retry_later(self, key: str, call: Callable[[], object]) -> None:
+        """Have the keeper retry a store call that failed, every second until it succeeds."""
         with self._lock:
-            return len(self._unreleased)
+            self._failed_calls[key] = call
+        self._ensure_keeper()
+
+    def retry_failed_calls(self) -> int:
+        """Retry the store calls that failed earlier (releases, unlistings); a StoreError leaves
+        the rest for the keeper's next tick.  Returns how many are still pending."""
+        with self._lock:
+            pending = list(self._failed_calls.items())
+        for key, call in pending:
+            call()
+            with self._lock:
+                if self._failed_calls.get(key) is call:
+                    del self._failed_calls[key]
+        with self._lock:
+            return len(self._failed_calls)
 
     def unlist_handed_over(self, task_id: str, run_id: str, task_name: str | None) -> None:
         """Take a task that a release handed over on standby (dispatch ``run_id``) off the
@@ -315,35 +322,24 @@ class CapsRuntime:
         parked again (a retry) or dispatched again (the sweep) is left alone."""
         handed_over = [Woken(task_id, run_id, b"", task_name)]
 
+        def unlist_again() -> None:
+            deleted = self.store.settle_published(handed_over)
+            logger.info("took %s off the waiting list after an earlier failure (%d entries)", task_id, deleted)
+
         def unlist() -> int:
             try:
                 return self.store.settle_published(handed_over)
             except StoreError as exc:
                 logger.warning("could not take %s off the waiting list (%s); retrying every second", task_id, exc)
-                with self._lock:
-                    self._unlisted[task_id] = run_id
-                self._ensure_keeper()
+                self._retry_later(f"unlist {task_id}", unlist_again)
                 return 0
 
         self.in_background(f"taking {task_id} off the waiting list", unlist)
 
-    def retry_unlists(self) -> int:
-        """Take off the waiting list the tasks handed over on standby whose entry could not be
-        deleted earlier; returns how many are still pending."""
+    def has_failed_calls(self) -> bool:
+        """Whether store calls (releases, the unlisting of handed-over tasks) failed and wait for a retry."""
         with self._lock:
-            pending = list(self._unlisted.items())
-        for task_id, run_id in pending:
-            deleted = self.store.settle_published([Woken(task_id, run_id, b"")])  # a StoreError: next tick
-            with self._lock:
-                self._unlisted.pop(task_id, None)
-            logger.info("took %s off the waiting list after an earlier failure (%d entries)", task_id, deleted)
-        with self._lock:
-            return len(self._unlisted)
-
-    def has_unreleased(self) -> bool:
-        """Whether releases (or the unlisting of handed-over tasks) failed and wait for a retry."""
-        with self._lock:
-            return bool(self._unreleased or self._unlisted)
+            return bool(self._failed_calls)
 
     # -- lease loss: the fencing check and caps_on_lease_lost -------------------------
 
@@ -518,20 +514,19 @@ class LeaseKeeper(threading.Thread):
         # Releases that failed are retried every second (at most), so that slots free
         # within a second or so of the store's return.
         interval = self.runtime.settings.renew_seconds
-        return min(interval, UNRELEASED_RETRY_SECONDS) if self.runtime.has_unreleased() else interval
+        return min(interval, UNRELEASED_RETRY_SECONDS) if self.runtime.has_failed_calls() else interval
 
     def run(self) -> None:
         interval = self.runtime.settings.renew_seconds
         last_renewal = time.monotonic()
         while not self._stopped.wait(self._next_wait()):
-            if self.runtime.has_unreleased():
+            if self.runtime.has_failed_calls():
                 try:
-                    self.runtime.retry_releases()
-                    self.runtime.retry_unlists()
+                    self.runtime.retry_failed_calls()
                 except StoreError as exc:
-                    logger.debug("release retry failed (%s)", exc)
+                    logger.debug("retrying failed store calls failed (%s)", exc)
                 except Exception:
-                    logger.exception("release retry crashed")
+                    logger.exception("retrying failed store calls crashed")
             if time.monotonic() - last_renewal < interval * 0.9:
                 continue
             last_renewal = time.monotonic()

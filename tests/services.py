@@ -92,7 +92,8 @@ def store_params() -> list[Any]:
     return [pytest.param(kind, id=kind.id, marks=getattr(pytest.mark, kind.id)) for kind in STORE_KINDS]
 
 
-def _unavailable(reason: str) -> NoReturn:
+def unavailable(reason: str) -> NoReturn:
+    """A service a test needs is missing: fail under ``CAPS_REQUIRE_SERVICES=1`` (CI), else skip."""
     if os.environ.get(REQUIRE_SERVICES_VARIABLE) == "1":
         pytest.fail(f"{reason} ({REQUIRE_SERVICES_VARIABLE}=1)", pytrace=False)
     pytest.skip(reason)
@@ -130,10 +131,10 @@ def require_service(name: str) -> str:
     variable = SERVICE_VARIABLES[name]
     url = os.environ.get(variable, "").strip()
     if not url:
-        _unavailable(f"{name}: {variable} is not set")
+        unavailable(f"{name}: {variable} is not set")
     reason = _unreachable_reason(url)
     if reason is not None:
-        _unavailable(f"{name} ({variable}={mask_url(url)}): {reason}")
+        unavailable(f"{name} ({variable}={mask_url(url)}): {reason}")
     return url
 
 
@@ -146,7 +147,7 @@ def store_url_for(kind: StoreKind, tmp_path: Path) -> str:
     assert kind.service is not None
     url = require_service(kind.service)
     if kind.id == "redis" and importlib.util.find_spec("celery_caps.stores.redis") is None:
-        _unavailable("redis: the Redis store (celery_caps.stores.redis) is not available")
+        unavailable("redis: the Redis store (celery_caps.stores.redis) is not available")
     return url
 
 

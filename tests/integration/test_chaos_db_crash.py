@@ -36,7 +36,7 @@ import pytest
 from celery_caps.stores.sqlalchemy import SQLAlchemyStore
 from tests.integration.conftest import FleetFactory
 from tests.integration.fleet import Fleet, mixed_workload, over_cap, send_workload, wait_for
-from tests.services import _unavailable, require_service
+from tests.services import require_service, unavailable
 
 pytestmark = [pytest.mark.chaos, pytest.mark.fleet, pytest.mark.postgres, pytest.mark.redis]
 
@@ -121,7 +121,7 @@ def _server_binaries() -> Path:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=version)
     found = [path for path in found if (Path(path).parent / "pg_ctl").exists()]
     if not found:
-        _unavailable("private PostgreSQL: no server binaries at /usr/lib/postgresql/*/bin/{initdb,pg_ctl}")
+        unavailable("private PostgreSQL: no server binaries at /usr/lib/postgresql/*/bin/{initdb,pg_ctl}")
     return Path(found[-1]).parent
 
 
@@ -136,11 +136,11 @@ def private_postgres() -> Iterator[PrivatePostgres]:
     bin_dir = _server_binaries()
     if os.geteuid() == 0:
         if shutil.which("runuser") is None:
-            _unavailable("private PostgreSQL: running as root, and no runuser to start the server as postgres")
+            unavailable("private PostgreSQL: running as root, and no runuser to start the server as postgres")
         try:
             server_user = pwd.getpwnam("postgres")
         except KeyError:
-            _unavailable("private PostgreSQL: running as root, and no postgres user to start the server as")
+            unavailable("private PostgreSQL: running as root, and no postgres user to start the server as")
     directory = Path(tempfile.mkdtemp(prefix="caps-crash-pg-"))
     server = PrivatePostgres(bin_dir, directory, _free_port())
     try:
