@@ -554,7 +554,8 @@ class CappedTask(Task):  # type: ignore[misc]
     ) -> str | None:
         """A woken task, or one that took its slots when sent: claim the dispatch leases taken
         for it; None if they expired.  A store error is raised (the caller puts the task back
-        with its dispatch).
+        with its dispatch).  A copy whose dispatch expired while the task was dispatched again
+        (to another run, still live) ends with ``Ignore``: that run's copy runs the task.
 
         A task that took its slots when sent, with tasks waiting behind it, puts the next of them
         on standby as it starts (in the background): the first hand-over of a burst then goes
@@ -572,7 +573,13 @@ class CappedTask(Task):  # type: ignore[misc]
                 release_and_wake(runtime, dispatch_run_id)
             except StoreError as exc:
                 logger.warning("%s[%s]: could not release a partial dispatch (%s)", self.name, request.id, exc)
-        # The dispatch expired (it may have been dispatched again): admitted as usual.
+        if claimed.dispatched_elsewhere:
+            logger.info(
+                "%s[%s]: its dispatch %s is gone and the task was dispatched again; this copy ends",
+                self.name, request.id, dispatch_run_id,
+            )  # fmt: skip
+            raise Ignore()
+        # The dispatch expired, and the task is not dispatched again: admitted as usual.
         return None
 
     def _park(

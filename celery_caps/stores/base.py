@@ -227,6 +227,10 @@ class Claimed:
     #: Other tasks still wait for one of the claimed slots (read in the same step; a hint for
     #: putting the next of them on standby while this run is young).
     waiters_behind: bool = False
+    #: Nothing was claimed, and the task's waiting entry is dispatched again, to another run
+    #: whose dispatch is live: another copy of the task is on its way or runs already, and
+    #: this one should end (admitted as usual, it would run the task twice).  The entry stays.
+    dispatched_elsewhere: bool = False
 
 
 @dataclass(frozen=True)
@@ -416,17 +420,20 @@ class SlotStore(abc.ABC):
         return 0, (self.wake(dispatch_lease_seconds) if deleted else [])
 
     def claim(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> int:
-        """A dispatched task arrived: renew the live dispatch leases of ``run_id`` to
-        ``lease_seconds`` under ``holder``, and remove ``task_id`` from the waiting list.
-
-        Returns how many leases were claimed (0: the dispatch expired; admit as usual).
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
+        """:meth:`claim_dispatch`, returning only how many leases were claimed."""
+        return self.claim_dispatch(task_id, run_id, holder, lease_seconds).leases
 
     def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
-        """:meth:`claim`, also telling whether other tasks still wait for one of the claimed
-        slots.  The default claims and answers no; a store with standby should override it."""
-        return Claimed(self.claim(task_id, run_id, holder, lease_seconds))
+        """A dispatched task arrived: renew the live dispatch leases of ``run_id`` to
+        ``lease_seconds`` under ``holder``, and remove ``task_id`` from the waiting list, in
+        one step; also tell whether other tasks still wait for one of the claimed slots.
+
+        With nothing claimed (the dispatch expired), the entry is removed too (this copy is
+        admitted as usual, and the task must not be dispatched again), unless it is dispatched
+        again to another run with a live dispatch: then it stays, for that run's copy, and
+        ``dispatched_elsewhere`` says so.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
     def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
         """Put waiters whose dispatch lease expired unclaimed back to waiting (same place),

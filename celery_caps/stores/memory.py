@@ -22,6 +22,7 @@ from .base import (
     PARK_PARKED_FIRST,
     PARK_ROOM,
     Admission,
+    Claimed,
     HistoryEvent,
     Lease,
     SlotStatus,
@@ -195,7 +196,7 @@ class MemoryStore(SlotStore):
             woken = self._wake_locked(self.clock(), dispatch_lease_seconds) if deleted else []
         return (len(waiter.slots) if waiter is not None else 0), woken
 
-    def claim(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> int:
+    def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
         with self._lock:
             now = self.clock()
             claimed = 0
@@ -205,8 +206,16 @@ class MemoryStore(SlotStore):
                     lease.holder = holder
                     lease.expires_at = now + lease_seconds
                     claimed += 1
+            entry = self._waiting.get(task_id)
+            if (
+                not claimed
+                and entry is not None
+                and entry.dispatch_run_id not in (None, run_id)
+                and entry.dispatch_expires_at > now
+            ):
+                return Claimed(0, dispatched_elsewhere=True)
             self._waiting.pop(task_id, None)
-            return claimed
+            return Claimed(claimed)
 
     def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
         only = None if slots is None else set(slots)

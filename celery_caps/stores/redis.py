@@ -613,9 +613,6 @@ class RedisStore(SlotStore):
         reply = self._run("forget", self._forget, self._waitlist_keys, args)
         return int(reply[0]), self._woken(reply[1:])
 
-    def claim(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> int:
-        return self.claim_dispatch(task_id, run_id, holder, lease_seconds).leases
-
     def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
         args: list[bytes | str] = [
             self._prefix,
@@ -624,8 +621,8 @@ class RedisStore(SlotStore):
             _encode(holder),
             self._seconds(lease_seconds),
         ]
-        claimed, behind = self._run("claim", self._claim, self._waitlist_keys, args)
-        return Claimed(int(claimed), bool(int(behind)))
+        claimed, behind, elsewhere = self._run("claim", self._claim, self._waitlist_keys, args)
+        return Claimed(int(claimed), bool(int(behind)), bool(int(elsewhere)))
 
     def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
         args: list[bytes | str] = [self._prefix, self._seconds(dispatch_lease_seconds), _run_id_nonce()]

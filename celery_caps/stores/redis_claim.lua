@@ -4,7 +4,9 @@
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
 -- ARGV: prefix, task id, run id (of the dispatch), holder, lease seconds
 -- Returns { how many leases were claimed (0: the dispatch expired; admit as usual),
--- 1 if other tasks still wait for one of the claimed slots else 0 }.
+-- 1 if other tasks still wait for one of the claimed slots else 0,
+-- 1 if nothing was claimed and the task is dispatched again to another run with a live
+-- dispatch (its entry stays, for that run's copy; this copy ends) else 0 }.
 
 local runs_key, expiry_key = KEYS[2], KEYS[3]
 local keys = waitlist_keys()
@@ -22,7 +24,10 @@ if run ~= nil and run[1] == task_id and expiry and tonumber(expiry) > now then
   claimed = #run - 2
 end
 local record = read_waiter(keys.waiting, task_id)
-if record ~= nil then
+local elsewhere = 0
+if claimed == 0 and record ~= nil and record[4] ~= '' and record[4] ~= run_id and tonumber(record[5]) > now then
+  elsewhere = 1
+elseif record ~= nil then
   remove_waiter(prefix, keys, task_id, record)
 end
 local behind = 0
@@ -34,4 +39,4 @@ if claimed > 0 then
     end
   end
 end
-return { claimed, behind }
+return { claimed, behind, elsewhere }

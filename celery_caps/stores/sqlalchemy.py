@@ -691,16 +691,26 @@ _CLAIM = (
     "WHERE run_id = :run_id AND task_id = :task_id AND expires_at > {now}"
 )
 _DELETE_WAITER = "DELETE FROM concurrency_waiters WHERE task_id = :task_id"
+# A task's waiting entry dispatched to another run than the one claimed, with a live dispatch.
+_DISPATCHED_ELSEWHERE = (
+    "SELECT count(*) FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id <> :run_id "
+    "AND dispatch_expires_at > {now}"
+)
 # The claim in one statement, for the PostgreSQL hot path (psycopg's parameter style), also
-# telling whether other tasks wait (not dispatched) for one of the claimed slots (the statement's
-# snapshot still has this task's waiting rows: they are left out).
+# telling whether other tasks wait (not dispatched) for one of the claimed slots, and whether,
+# nothing claimed, the entry is dispatched to another live run (then it stays).  (The sub-
+# statements share one snapshot: it still has this task's waiting rows; they are left out.)
 _CLAIM_DISPATCH_DRIVER = (
     "WITH claimed AS (UPDATE concurrency_slots SET holder = %(holder)s, "
     f"expires_at = {_NOW['postgresql']} + %(lease_seconds)s "
     f"WHERE run_id = %(run_id)s AND task_id = %(task_id)s AND expires_at > {_NOW['postgresql']} RETURNING slot), "
-    "unlisted AS (DELETE FROM concurrency_waiters WHERE task_id = %(task_id)s) "
+    "elsewhere AS (SELECT 1 FROM concurrency_waiters w WHERE w.task_id = %(task_id)s "
+    f"AND w.dispatch_run_id <> %(run_id)s AND w.dispatch_expires_at > {_NOW['postgresql']} LIMIT 1), "
+    "unlisted AS (DELETE FROM concurrency_waiters WHERE task_id = %(task_id)s "
+    "AND (EXISTS (SELECT 1 FROM claimed) OR NOT EXISTS (SELECT 1 FROM elsewhere))) "
     "SELECT (SELECT count(*) FROM claimed), EXISTS (SELECT 1 FROM concurrency_waiters w "
-    "WHERE w.slot IN (SELECT slot FROM claimed) AND w.dispatch_run_id IS NULL AND w.task_id <> %(task_id)s)"
+    "WHERE w.slot IN (SELECT slot FROM claimed) AND w.dispatch_run_id IS NULL AND w.task_id <> %(task_id)s), "
+    "NOT EXISTS (SELECT 1 FROM claimed) AND EXISTS (SELECT 1 FROM elsewhere)"
 )
 _EXPIRED_DISPATCHES = (
     "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters WHERE dispatch_expires_at <= {now}"
@@ -1212,6 +1222,7 @@ class SQLAlchemyStore(SlotStore):
             "payloads": _WAITER_PAYLOADS,
             "claim": _CLAIM,
             "delete_waiter": _DELETE_WAITER,
+            "dispatched_elsewhere": _DISPATCHED_ELSEWHERE,
             "expired_dispatches": _EXPIRED_DISPATCHES,
             "expired_dispatches_of": _EXPIRED_DISPATCHES_OF,
             "prune_waited": _PRUNE_WAITED,
@@ -2088,26 +2099,22 @@ class SQLAlchemyStore(SlotStore):
 
         return self._transaction("forget", forget, attempts=_ACQUIRE_ATTEMPTS)
 
-    def claim(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> int:
-        if self._schema_ready and self._driver_connections() is not None:
-            return self.claim_dispatch(task_id, run_id, holder, lease_seconds).leases
+    def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
         params = {"task_id": task_id, "run_id": run_id, "holder": holder, "lease_seconds": lease_seconds}
+        driver = self._driver_connections() if self._schema_ready else None
+        if driver is not None:
+            leases, behind, elsewhere = self._driver_call("claim", driver, _CLAIM_DISPATCH_DRIVER, params).fetchone()
+            return Claimed(int(leases), bool(behind), bool(elsewhere))
         statements = self._parking
 
-        def claim(connection: Connection) -> int:
-            claimed = connection.execute(statements["claim"], params).rowcount
+        def claim(connection: Connection) -> Claimed:
+            claimed = int(connection.execute(statements["claim"], params).rowcount)
+            if not claimed and connection.execute(statements["dispatched_elsewhere"], params).scalar():
+                return Claimed(0, dispatched_elsewhere=True)
             connection.execute(statements["delete_waiter"], params)
-            return int(claimed)
+            return Claimed(claimed)
 
         return self._transaction("claim", claim, attempts=_ACQUIRE_ATTEMPTS)
-
-    def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
-        driver = self._driver_connections() if self._schema_ready else None
-        if driver is None:
-            return super().claim_dispatch(task_id, run_id, holder, lease_seconds)
-        params = {"task_id": task_id, "run_id": run_id, "holder": holder, "lease_seconds": lease_seconds}
-        leases, behind = self._driver_call("claim", driver, _CLAIM_DISPATCH_DRIVER, params).fetchone()
-        return Claimed(int(leases), bool(behind))
 
     def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
         statements = self._parking

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 from celery.signals import before_task_publish
 
-from celery_caps.parking import DISPATCH_HEADER, STANDBY_HEADER, WAKE_QUEUE_SUFFIX, sweep_waiters
+from celery_caps.parking import DISPATCH_HEADER, STANDBY_HEADER, WAKE_QUEUE_SUFFIX, publish_woken, sweep_waiters
 from celery_caps.stores.base import DISPATCH_HOLDER, PARK_PARKED, SlotStore, store_from_url
 from celery_caps.worker import runtime_for
 from tests.integration.conftest import FleetFactory
@@ -315,6 +315,45 @@ def test_a_task_that_took_its_slot_when_sent_and_expired_hands_it_to_the_next_wa
     assert record.starts[expiring] == 0
     wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
     assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+
+
+def test_a_woken_copy_that_comes_after_its_dispatch_expired_and_the_task_was_dispatched_again_does_not_run(
+    make_fleet: FleetFactory,
+) -> None:
+    # One process, taking one message at a time: the copies arrive in the order they were sent.
+    fleet = make_fleet(broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park")
+    scope = uuid.uuid4().hex[:16]
+    slot = fleet.slot(f"one:{scope}")
+    hold = fleet.app.tasks["fleet.hold"]
+
+    # Given no worker running, a task holding the slot of limit 1 (taken when sent) and a
+    # second task parked behind it
+    first = hold.apply_async(args=[scope, 0.2]).id
+    second = hold.apply_async(args=[scope, 0.2]).id
+    [taken] = fleet.leases(slot)
+    assert taken.task_id == first
+
+    # ... whose slot is handed to the second with a dispatch lease of 1 s, its woken copy sent
+    _, [woken] = fleet.store.release_and_wake(taken.run_id, 1.0)
+    assert woken.task_id == second and publish_woken(fleet.app, [woken]) == [woken]
+    # When that dispatch expires (its copy is late) and the sweep dispatches the task again,
+    # for a minute, with a second copy
+    wait_for(lambda: all(lease.expires_in <= 0 for lease in fleet.leases(slot)), 10, "the dispatch never expired")
+    [again] = fleet.store.wake(60.0, [slot])
+    assert again.task_id == second and again.run_id != woken.run_id
+    assert publish_woken(fleet.app, [again]) == [again]
+    fleet.start(1, concurrency=1)
+
+    # Then the second task runs once, by the second copy: the late first copy, finding the task
+    # dispatched again, ends without running (before, it took the task off the list and ran it
+    # as a task admitted on arrival, and the second copy ran it again)
+    wait_for(lambda: fleet.record().done[second] and fleet.record().done[first], 30, "the tasks did not run")
+    time.sleep(1.5)  # (each copy is handled within a second of the other)
+    record = fleet.record()
+    assert (record.starts[first], record.starts[second]) == (1, 1)
+    assert "was dispatched again; this copy ends" in fleet.tails()
+    wait_for(lambda: fleet.leases(slot) == [], 5, lambda: f"leases left: {fleet.leases(slot)}")
+    assert fleet.store.waiters(slot) == []
 
 
 def test_a_task_whose_publish_fails_gives_back_the_slots_it_took_when_sent(make_fleet: FleetFactory) -> None:

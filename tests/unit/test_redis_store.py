@@ -354,7 +354,7 @@ def test_park_times_and_dispatch_expiry_follow_redis_time_not_the_worker_clock(
 
     # When a short dispatch goes unclaimed, it expires by Redis TIME, not by the worker clock
     assert store.release(woken.run_id) == 1
-    store.claim("waiter", "no-such-run", HOLDER, LONG_LEASE)  # leaves the waiting list
+    store.claim("waiter", woken.run_id, HOLDER, LONG_LEASE)  # (released: nothing to claim) leaves the list
     blocker = new_run_id()
     store.acquire({"licence": 1}, "blocker", blocker, HOLDER, LONG_LEASE)
     assert park(store, {"licence": 1}, "waiter", 1.0) == PARK_PARKED

@@ -1423,10 +1423,40 @@ def test_an_unclaimed_dispatch_is_dispatched_again_after_it_expires(store: SlotS
     store.sweep()
     [again] = store.wake(DISPATCH_LEASE, [slot])
 
-    # Then it is dispatched again, with new leases; the old dispatch cannot be claimed
+    # Then it is dispatched again, with new leases; the old dispatch cannot be claimed, and its
+    # copy (a late message) learns that another run has the task: the entry stays for it
     assert again.task_id == f"{prefix}waiter" and again.run_id != lost.run_id
-    assert store.claim(f"{prefix}waiter", lost.run_id, HOLDER, LONG_LEASE) == 0
+    assert store.claim_dispatch(f"{prefix}waiter", lost.run_id, HOLDER, LONG_LEASE) == Claimed(
+        0, dispatched_elsewhere=True
+    )
     assert [lease.run_id for lease in store.leases(slot)] == [again.run_id]
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}waiter", True)]
+    # ... whose copy claims it and takes the task off the list
+    assert store.claim_dispatch(f"{prefix}waiter", again.run_id, HOLDER, LONG_LEASE).leases == 1
+    assert store.waiters(slot) == []
+
+
+def test_a_copy_whose_dispatch_expired_takes_the_task_off_the_list_unless_it_is_dispatched_again(
+    store: SlotStore, prefix: str
+) -> None:
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    run = admit(store, {slot: 1}, f"{prefix}running")
+    park(store, {slot: 1}, f"{prefix}waiter", 1.0)
+    _, [woken] = store.release_and_wake(run, SHORT_LEASE)
+    wait_until_expired(store, [woken.run_id])
+    # Given the sweep put the waiter back to waiting (no room for it now: another task runs)
+    admit(store, {slot: 1}, f"{prefix}other")
+    store.sweep()
+    assert store.wake(DISPATCH_LEASE, [slot]) == []
+    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}waiter", False)]
+
+    # When its late copy arrives: nothing to claim, and no other run has the task
+    claimed = store.claim_dispatch(f"{prefix}waiter", woken.run_id, HOLDER, LONG_LEASE)
+
+    # Then it leaves the list (the copy is admitted as usual: it must not be dispatched again)
+    assert claimed == Claimed(0)
+    assert store.waiters(slot) == []
 
 
 def test_waiting_lists_are_bounded_expired_and_drained(store: SlotStore, prefix: str) -> None:
