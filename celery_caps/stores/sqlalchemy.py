@@ -700,8 +700,8 @@ _DISPATCHED_ELSEWHERE = (
 # telling whether other tasks wait (not dispatched) for one of the claimed slots, and whether,
 # nothing claimed, the entry is dispatched to another live run (then it stays).  (The sub-
 # statements share one snapshot: it still has this task's waiting rows; they are left out.)
-_CLAIM_DISPATCH_DRIVER = (
-    "WITH claimed AS (UPDATE concurrency_slots SET holder = %(holder)s, "
+_CLAIM_DISPATCH_TEMPLATE = (
+    "WITH {standby}claimed AS (UPDATE concurrency_slots SET holder = %(holder)s, "
     f"expires_at = {_NOW['postgresql']} + %(lease_seconds)s "
     f"WHERE run_id = %(run_id)s AND task_id = %(task_id)s AND expires_at > {_NOW['postgresql']} RETURNING slot), "
     "elsewhere AS (SELECT 1 FROM concurrency_waiters w WHERE w.task_id = %(task_id)s "
@@ -711,6 +711,13 @@ _CLAIM_DISPATCH_DRIVER = (
     "SELECT (SELECT count(*) FROM claimed), EXISTS (SELECT 1 FROM concurrency_waiters w "
     "WHERE w.slot IN (SELECT slot FROM claimed) AND w.dispatch_run_id IS NULL AND w.task_id <> %(task_id)s), "
     "NOT EXISTS (SELECT 1 FROM claimed) AND EXISTS (SELECT 1 FROM elsewhere)"
+)
+_CLAIM_DISPATCH_DRIVER = _CLAIM_DISPATCH_TEMPLATE.replace("{standby}", "")
+# The claim, also deleting the standby record of the claimed dispatch (see
+# _SETTLE_ONE_WITH_STANDBY_DRIVER): a copy that came after its standby was taken claims here.
+_CLAIM_DISPATCH_WITH_STANDBY_DRIVER = _CLAIM_DISPATCH_TEMPLATE.replace(
+    "{standby}",
+    "standby AS (DELETE FROM concurrency_standby WHERE task_id = %(task_id)s AND dispatch_run_id = %(run_id)s), ",
 )
 _EXPIRED_DISPATCHES = (
     "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters WHERE dispatch_expires_at <= {now}"
@@ -739,6 +746,14 @@ _MARKED = (
 _SETTLE_PUBLISHED = "DELETE FROM concurrency_waiters WHERE dispatch_run_id = :mark AND task_id IN :task_ids"
 # One task settled (a task handed over on standby leaving the list), on the hot path's connection.
 _SETTLE_ONE_DRIVER = "DELETE FROM concurrency_waiters WHERE dispatch_run_id = %(mark)s AND task_id = %(task_id)s"
+# The same, also deleting the standby record the dispatch took (as the Redis store does when a
+# task leaves the list): a taken record has no use once its task left the list, and left to
+# expire (2 x caps_standby_seconds + 5 s), taken records piled up by the hundred in a busy
+# fleet, which every stand_by call scanned twice.
+_SETTLE_ONE_WITH_STANDBY_DRIVER = (
+    "WITH standby AS (DELETE FROM concurrency_standby WHERE task_id = %(task_id)s AND dispatch_run_id = %(mark)s) "
+    + _SETTLE_ONE_DRIVER
+)
 _SETTLE_FAILED = (
     "UPDATE concurrency_waiters SET dispatch_run_id = NULL, dispatch_expires_at = NULL "
     "WHERE dispatch_run_id = :mark AND task_id IN :task_ids"
@@ -2103,7 +2118,8 @@ class SQLAlchemyStore(SlotStore):
         params = {"task_id": task_id, "run_id": run_id, "holder": holder, "lease_seconds": lease_seconds}
         driver = self._driver_connections() if self._schema_ready else None
         if driver is not None:
-            leases, behind, elsewhere = self._driver_call("claim", driver, _CLAIM_DISPATCH_DRIVER, params).fetchone()
+            statement = _CLAIM_DISPATCH_WITH_STANDBY_DRIVER if self._standby_table else _CLAIM_DISPATCH_DRIVER
+            leases, behind, elsewhere = self._driver_call("claim", driver, statement, params).fetchone()
             return Claimed(int(leases), bool(behind), bool(elsewhere))
         statements = self._parking
 
@@ -2192,7 +2208,8 @@ class SQLAlchemyStore(SlotStore):
         driver = self._driver_connections() if self._schema_ready and len(published) == 1 and not failed else None
         if driver is not None:
             params = {"mark": published[0].run_id, "task_id": published[0].task_id}
-            return int(self._driver_call("settling published waiters", driver, _SETTLE_ONE_DRIVER, params).rowcount)
+            settle_one = _SETTLE_ONE_WITH_STANDBY_DRIVER if self._standby_table else _SETTLE_ONE_DRIVER
+            return int(self._driver_call("settling published waiters", driver, settle_one, params).rowcount)
         statements = self._parking
         batches: list[tuple[sa.TextClause, str, list[str]]] = []
         for statement, woken in ((statements["settle_published"], published), (statements["settle_failed"], failed)):

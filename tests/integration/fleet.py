@@ -492,7 +492,11 @@ class Fleet:
             keys = list(client.scan_iter(match=pattern, count=1000))
             if keys:
                 client.delete(*keys)
-        client.close()
+        self.recorder.close()
+        # Nor is the Redis result backend's client closed by app.close().
+        backend_client = getattr(self.app.backend, "client", None)
+        if backend_client is not None:
+            backend_client.close()
         broker = self.env["CAPS_FLEET_BROKER"]
         if broker.startswith("amqp"):
             with self.app.connection_for_write() as connection:

@@ -149,6 +149,13 @@ class Recorder:
             client = self._clients[main] = redis.Redis.from_url(self.url)
         return client
 
+    def close(self) -> None:
+        """Close this process's clients (they would otherwise be closed by the garbage
+        collector, whose ``ResourceWarning`` fails whichever test is running then)."""
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
     def key(self, name: str) -> str:
         return self.prefix + name
 

@@ -1725,6 +1725,37 @@ def test_a_release_signals_the_waiting_standby_instead_of_handing_it_back_to_pub
     assert (after.task_id, after.standby) == (f"{prefix}later", False)
 
 
+def test_a_handed_over_task_leaving_the_list_takes_its_standby_record_with_it(store: SlotStore, prefix: str) -> None:
+    # (Left to expire, the records of a busy fleet's hand-overs piled up, and every stand_by
+    # scanned them.)
+    slot, running, standby = one_on_standby(store, prefix)
+    waiting, signalled = wait_on_standby(store, standby)
+    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
+    waiting.join(10)
+    assert signalled == [StandbyDispatch(woken.run_id, claimed=True)]
+    # The taken record stays while the task is listed (the sweep's and a late copy's business)
+    assert standby.task_id in {record.task_id for record in store.standbys()}
+
+    # When its process takes the task off the list, as a worker does once the task runs
+    assert store.settle_published([Woken(woken.task_id, woken.run_id, b"")]) == 1
+
+    # Then its standby record is gone with it
+    assert standby.task_id not in {record.task_id for record in store.standbys()}
+    assert store.waiters(slot) == []
+
+
+def test_a_copy_that_claims_after_its_standby_was_taken_takes_the_record_with_it(store: SlotStore, prefix: str) -> None:
+    _slot, _running, standby = one_on_standby(store, prefix)
+    _, [woken] = store.release_task_and_wake(f"{prefix}running", DISPATCH_LEASE)
+    assert store.await_standby(standby.task_id, standby.run_id, 0, HOLDER, LONG_LEASE) == StandbyDispatch(
+        woken.run_id, claimed=False
+    )
+
+    assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) == 1
+
+    assert standby.task_id not in {record.task_id for record in store.standbys()}
+
+
 def test_a_standby_that_times_out_ends_and_its_waiter_keeps_its_place(store: SlotStore, prefix: str) -> None:
     slot, running, standby = one_on_standby(store, prefix)
 
