@@ -34,7 +34,7 @@ import sqlalchemy as sa
 
 from celery_caps.stores.base import SlotStore, store_from_url
 from celery_caps.stores.redis import RedisStore
-from celery_caps.stores.sqlalchemy import SQLAlchemyStore, concurrency_slots
+from celery_caps.stores.sqlalchemy import SQLAlchemyStore, concurrency_slots, concurrency_standby, concurrency_waiters
 
 from .common import bench_database_url, percentile, reachable, service_url
 
@@ -775,7 +775,8 @@ def caps_url_for(store: str, options: Any) -> tuple[str | None, str]:
 
 
 def drop_slots(caps_url: str, prefix: str) -> None:
-    """Delete what workers left under slot names starting with ``prefix`` (sentinels, stray leases)."""
+    """Delete what workers left under slot names starting with ``prefix`` (sentinels, stray
+    leases; in SQL stores also waiters, of a trial that did not complete, and their standby records)."""
     if caps_url.startswith("redis"):
         store = RedisStore(caps_url)
         client = store.client
@@ -793,5 +794,9 @@ def drop_slots(caps_url: str, prefix: str) -> None:
         with store.engine.begin() as connection:
             pattern = _name(store, f"{prefix}%")
             connection.execute(concurrency_slots.delete().where(concurrency_slots.c.slot.like(pattern)))
+            waiting = sa.select(concurrency_waiters.c.task_id).where(concurrency_waiters.c.slot.like(pattern))
+            if sa.inspect(connection).has_table(concurrency_standby.name):
+                connection.execute(concurrency_standby.delete().where(concurrency_standby.c.task_id.in_(waiting)))
+            connection.execute(concurrency_waiters.delete().where(concurrency_waiters.c.slot.like(pattern)))
     finally:
         store.close()
