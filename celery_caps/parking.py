@@ -70,9 +70,8 @@ store that can signal (PostgreSQL's NOTIFY, a Redis list), a release that woke w
 puts the next waiters of its slots *on standby* (``SlotStore.stand_by``:
 ``caps_standby_per_slot`` per slot name, at most the slot's limit, ``caps_standby_max`` in
 all) and publishes a copy of each with a ``caps_standby_mark`` header, to the wake queue;
-from the worker's background thread, a twentieth of the run's length after the release, 5 ms at
-most (the released task's process is free for its next message meanwhile, and the hand-over
-the release made gets the CPUs first: ``worker.STAND_BY_DELAY_SHARE``).  A
+right after the release, from the worker's background thread (the released task's process is
+free for its next message meanwhile).  A
 pool process that receives one records its holder in the standby and waits there
 (``SlotStore.await_standby``, up to ``caps_standby_seconds``).  A release that dispatches a
 waiter on standby creates its leases in that process's name, signals it in the dispatch's

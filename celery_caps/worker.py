@@ -48,14 +48,6 @@ logger = logging.getLogger(__name__)
 _RUNTIME_ATTRIBUTE = "_celery_caps_runtime"
 #: Seconds between retries of releases that failed (store unreachable).
 UNRELEASED_RETRY_SECONDS = 1.0
-#: After a release that woke waiters, the background thread waits this share of the run's length
-#: (at most :data:`STAND_BY_DELAY_MAX_SECONDS`) before it puts the next waiters on standby.  That
-#: work (the stand-by call, the copies' publish, a worker handing a copy to a process, its
-#: registration) wakes half a dozen processes; started at once, they compete for the CPUs with the
-#: hand-over the release has just made (the woken process, its connection's server process).  The
-#: next hand-over is about a run's length away.
-STAND_BY_DELAY_SHARE = 0.05
-STAND_BY_DELAY_MAX_SECONDS = 0.005
 
 
 def _set_async_exception(thread_id: int, exception: type[BaseException] | None) -> bool:
@@ -248,9 +240,7 @@ class CapsRuntime:
         hand-overs to come: the task's process is free for its next message sooner)."""
         if run is None:
             return parking.release(self, run_id)
-        return parking.release(
-            self, run_id, after_wake=lambda: self.stand_by_soon(run.task_name, run.slots, after_release=True)
-        )
+        return parking.release(self, run_id, after_wake=lambda: self.stand_by_soon(run.task_name, run.slots))
 
     def deferred(
         self,
@@ -474,21 +464,17 @@ class CapsRuntime:
                     self._keeper = LeaseKeeper(self)
                     self._keeper.start()
 
-    def stand_by_soon(self, task_name: str | None, slots: Sequence[str], after_release: bool = False) -> None:
-        """A run of ``task_name`` started with tasks waiting behind it, or ended and woke some
-        (``after_release``: then a little later, see :data:`STAND_BY_DELAY_SHARE`): put the next
-        of them on standby, in the background (see :func:`celery_caps.parking.stand_by`), unless
-        this process saw that task's last run take too long for a standby to pay (a first run
-        counts as short)."""
+    def stand_by_soon(self, task_name: str | None, slots: Sequence[str]) -> None:
+        """A run of ``task_name`` started with tasks waiting behind it, or ended and woke some:
+        put the next of them on standby, in the background (see
+        :func:`celery_caps.parking.stand_by`), unless this process saw that task's last run take
+        too long for a standby to pay (a first run counts as short)."""
         ran_seconds = self._run_seconds.get(task_name, 0.0)
-        delay = min(ran_seconds * STAND_BY_DELAY_SHARE, STAND_BY_DELAY_MAX_SECONDS) if after_release else 0.0
-
-        def stand_by() -> int:
-            if delay > 0:
-                time.sleep(delay)
-            return len(parking.stand_by(self, slots, ran_seconds))
-
-        self.in_background("putting waiters on standby", stand_by, after_failure="they are published when woken")
+        self.in_background(
+            "putting waiters on standby",
+            lambda: len(parking.stand_by(self, slots, ran_seconds)),
+            after_failure="they are published when woken",
+        )
 
     # -- work for the worker's main process --------------------------------------
 
