@@ -34,7 +34,7 @@ import sqlalchemy as sa
 
 from celery_caps.stores.base import SlotStore, store_from_url
 from celery_caps.stores.redis import RedisStore
-from celery_caps.stores.sqlalchemy import SQLAlchemyStore, concurrency_slots, concurrency_standby, concurrency_waiters
+from celery_caps.stores.sqlalchemy import SQLAlchemyStore, concurrency_slots
 
 from .common import bench_database_url, percentile, reachable, service_url
 
@@ -775,28 +775,24 @@ def caps_url_for(store: str, options: Any) -> tuple[str | None, str]:
 
 
 def drop_slots(caps_url: str, prefix: str) -> None:
-    """Delete what workers left under slot names starting with ``prefix`` (sentinels, stray
-    leases; in SQL stores also waiters, of a trial that did not complete, and their standby records)."""
-    if caps_url.startswith("redis"):
-        store = RedisStore(caps_url)
-        client = store.client
-        try:
-            for key in client.scan_iter(match=f"caps:slot:{{{prefix}*", count=1000):
-                client.delete(key)
-            for name, _ in client.hscan_iter("caps:limits", match=f"{prefix}*"):
-                client.hdel("caps:limits", name)
-        finally:
-            store.close()
-        return
+    """Delete what workers left under slot names starting with ``prefix``, through the store's
+    own calls where it has them: the waiters of a trial that did not complete (``forget``, with
+    their dispatch leases and standbys), stray leases (``release``), then the sentinels."""
     store = store_from_url(caps_url)
-    assert isinstance(store, SQLAlchemyStore)
     try:
+        if store.supports_parking:
+            for task_id in sorted({waiter.task_id for waiter in store.waiters() if waiter.slot.startswith(prefix)}):
+                store.forget(task_id, 1.0)
+        for run_id in sorted({lease.run_id for lease in store.leases() if lease.slot.startswith(prefix)}):
+            store.release(run_id)
+        if isinstance(store, RedisStore):
+            limits = f"{store.key_prefix}:limits"
+            for name, _ in store.client.hscan_iter(limits, match=f"{prefix}*"):
+                store.client.hdel(limits, name)
+            return
+        assert isinstance(store, SQLAlchemyStore)
         with store.engine.begin() as connection:
             pattern = _name(store, f"{prefix}%")
             connection.execute(concurrency_slots.delete().where(concurrency_slots.c.slot.like(pattern)))
-            waiting = sa.select(concurrency_waiters.c.task_id).where(concurrency_waiters.c.slot.like(pattern))
-            if sa.inspect(connection).has_table(concurrency_standby.name):
-                connection.execute(concurrency_standby.delete().where(concurrency_standby.c.task_id.in_(waiting)))
-            connection.execute(concurrency_waiters.delete().where(concurrency_waiters.c.slot.like(pattern)))
     finally:
         store.close()
