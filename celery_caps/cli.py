@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
 
     from .settings import CapsSettings
-    from .stores.base import HistoryEvent, Lease, SlotStatus, SlotStore, Standby, Waiter
+    from .stores.base import HistoryEvent, Lease, SlotStatus, SlotStore, Waiter
 
 _T = TypeVar("_T")
 
@@ -117,17 +117,6 @@ class Operator:
         if not self.store.supports_parking:
             return []
         return _guard(lambda: self.store.waiters(slot))
-
-    def standbys(self) -> dict[str, Standby]:
-        """The waiters on standby now (not yet taken by a release), by task id; empty for a
-        store without standby."""
-        if not self.store.supports_standby:
-            return {}
-        return {
-            standby.task_id: standby
-            for standby in _guard(self.store.standbys)
-            if not standby.taken and standby.expires_in > 0
-        }
 
 
 def registered_caps(app: Celery) -> dict[str, CapInfo]:
@@ -427,15 +416,7 @@ def _lease_table(leases: Iterable[Lease], title: str | None = None) -> Any:
     return table
 
 
-def _waiter_state(waiter: Waiter, standbys: Mapping[str, Standby]) -> str:
-    """``dispatched``, ``standby`` (a copy waits in a pool process, or is on its way to one) or ``waiting``."""
-    if waiter.dispatched:
-        return "dispatched"
-    return "standby" if waiter.task_id in standbys else "waiting"
-
-
-def _waiter_json(waiter: Waiter, now: float, standbys: Mapping[str, Standby]) -> dict[str, Any]:
-    standby = standbys.get(waiter.task_id)
+def _waiter_json(waiter: Waiter, now: float) -> dict[str, Any]:
     return {
         "slot": waiter.slot,
         "position": waiter.position,
@@ -444,13 +425,11 @@ def _waiter_json(waiter: Waiter, now: float, standbys: Mapping[str, Standby]) ->
         "first_deferred_at": waiter.first_deferred_at,
         "waited_seconds": max(now - waiter.first_deferred_at, 0.0),
         "parked_seconds": waiter.age,
-        "state": _waiter_state(waiter, standbys),
-        # The pool process that waits for its hand-over ("<node>/<pid>"); None until its copy arrives.
-        "standby_holder": standby.holder if standby is not None and not waiter.dispatched else None,
+        "state": "dispatched" if waiter.dispatched else "waiting",
     }
 
 
-def _waiter_table(waiters: Iterable[Waiter], standbys: Mapping[str, Standby], title: str | None = None) -> Any:
+def _waiter_table(waiters: Iterable[Waiter], title: str | None = None) -> Any:
     from rich.table import Table
 
     now = time.time()
@@ -470,17 +449,9 @@ def _waiter_table(waiters: Iterable[Waiter], standbys: Mapping[str, Standby], ti
             waiter.task_name or "?",
             duration(max(now - waiter.first_deferred_at, 0.0)),
             duration(waiter.age),
-            _standby_cell(waiter, standbys),
+            "dispatched" if waiter.dispatched else "waiting",
         )
     return table
-
-
-def _standby_cell(waiter: Waiter, standbys: Mapping[str, Standby]) -> str:
-    state = _waiter_state(waiter, standbys)
-    if state != "standby":
-        return state
-    holder = standbys[waiter.task_id].holder
-    return f"standby in {holder}" if holder else "standby (copy on its way)"
 
 
 def _slots_of(name: str, statuses: Iterable[SlotStatus]) -> list[str]:
@@ -729,9 +700,9 @@ def explain(ctx: click.Context, task_id: str, as_json: bool) -> None:
 @click.pass_context
 def sweep(ctx: click.Context) -> None:
     """Delete expired leases now (sentinels are kept); print what was removed.  With park in
-    use, then do what the beat sweep does with waiters: dispatch again what was never
-    claimed, wake what fits, give up on those past caps_max_wait_seconds."""
-    from . import parking
+    use, then do what every worker's recovery does: dispatch again what was never claimed,
+    wake what fits, readmit those past caps_max_wait_seconds."""
+    from . import park
 
     operator = _operator(ctx)
     expired = [lease for lease in _guard(operator.store.leases) if lease.expires_in <= 0]
@@ -739,9 +710,9 @@ def sweep(ctx: click.Context) -> None:
     if expired:
         _console().print(_lease_table(expired, title="expired leases found"))
     click.echo(f"deleted {deleted} expired lease(s)")
-    if parking.parks(operator):
-        published = _guard(lambda: parking.sweep_waiters(operator))
-        click.echo(f"published {published} waiting task(s)")
+    if park.parks(operator):
+        published = _guard(lambda: park.recover(operator))
+        click.echo(f"published {len(published)} waiting task(s)")
 
 
 @caps.command()
@@ -751,7 +722,7 @@ def sweep(ctx: click.Context) -> None:
 def release(ctx: click.Context, task_id: str, yes: bool) -> None:
     """Force-release every lease of TASK_ID (its slots free at once; a running task runs on);
     a parked TASK_ID leaves the waiting list (it will not run)."""
-    from . import parking
+    from . import park
 
     operator = _operator(ctx)
     leases = [lease for lease in _guard(operator.store.leases) if lease.task_id == task_id]
@@ -763,18 +734,18 @@ def release(ctx: click.Context, task_id: str, yes: bool) -> None:
     if leases:
         console.print(_lease_table(leases, title=f"leases of task {task_id}"))
     if waiting:
-        console.print(_waiter_table(waiting, operator.standbys(), title=f"task {task_id} in the waiting list"))
+        console.print(_waiter_table(waiting, title=f"task {task_id} in the waiting list"))
     if not yes:
         what = [f"{len(leases)} lease(s)"] if leases else []
         if waiting:
-            what.append(f"drop it from the waiting list of {len(waiting)} slot(s) (it will not run)")
+            what.append("drop it from the waiting list (it will not run)")
         click.confirm(f"Release {' and '.join(what)} of task {task_id}?", abort=True)
-    released = _guard(lambda: parking.release_task(operator, task_id))
-    removed = _guard(lambda: parking.forget(operator, task_id))
+    released = _guard(lambda: park.release_task(operator, task_id))
+    removed = _guard(lambda: park.forget(operator, task_id))
     if leases or released:
         click.echo(f"released {released} lease(s) of task {task_id}")
     if removed:
-        click.echo(f"removed task {task_id} from the waiting list of {removed} slot(s); it will not run")
+        click.echo(f"removed task {task_id} from the waiting list; it will not run")
 
 
 @caps.command(name="prune-keys")
@@ -827,13 +798,12 @@ def waiters(ctx: click.Context, name: str, as_json: bool) -> None:
     found = _waiters_of(operator, name)
     if as_json:
         now = time.time()
-        standbys = operator.standbys()
-        _echo_json([_waiter_json(waiter, now, standbys) for waiter in found])
+        _echo_json([_waiter_json(waiter, now) for waiter in found])
         return
     if not found:
         click.echo(f"{name}: no waiting task")
         return
-    _console().print(_waiter_table(found, operator.standbys(), title=f"{len(found)} waiting task(s) of {name}"))
+    _console().print(_waiter_table(found, title=f"{len(found)} waiting task(s) of {name}"))
 
 
 @caps.command()
@@ -843,13 +813,13 @@ def waiters(ctx: click.Context, name: str, as_json: bool) -> None:
 @click.pass_context
 def drain(ctx: click.Context, name: str, yes: bool, dry_run: bool) -> None:
     """Publish every task waiting for NAME (a cap with all its keys, or one slot) back to the
-    broker as an ordinary message, and empty its waiting list.
+    broker, to go through admission again, and empty its waiting list.
 
-    Each task is deleted from the list only once its message is published; one that cannot be
-    published stays.  The tasks then go through admission again (and park again if their caps
-    still park and are full).
+    Each task stays in the list, dispatched, until its copy arrives and takes it off; a copy
+    that is lost is published again by the workers' recovery.  The tasks then go through
+    admission again (and park again if their caps still park and are full).
     """
-    from . import parking
+    from . import park
 
     operator = _parking_operator(ctx)
     waiting = [waiter for waiter in _waiters_of(operator, name) if not waiter.dispatched]
@@ -857,23 +827,22 @@ def drain(ctx: click.Context, name: str, yes: bool, dry_run: bool) -> None:
         click.echo(f"{name}: no waiting task")
         return
     tasks = {waiter.task_id for waiter in waiting}
-    _console().print(_waiter_table(waiting, operator.standbys(), title=f"waiting for {name}"))
+    _console().print(_waiter_table(waiting, title=f"waiting for {name}"))
     if dry_run:
         click.echo(f"would publish {len(tasks)} waiting task(s) of {name}")
         return
     if not yes:
         click.confirm(f"Publish {len(tasks)} waiting task(s) of {name} back to the broker?", abort=True)
-    hold_seconds = parking.dispatch_lease_seconds(operator)
-    published = failed = 0
+    taken = published = 0
     for slot in sorted({waiter.slot for waiter in waiting}):
-        taken = _guard(functools.partial(operator.store.drain, slot, hold_seconds))
-        sent = parking.publish_taken(operator, taken)
+        dispatched, sent = _guard(functools.partial(park.readmit, operator, slot))
+        taken += dispatched
         published += len(sent)
-        failed += len(taken) - len(sent)
     click.echo(f"published {published} waiting task(s) of {name}; they left the waiting list")
-    if failed:
+    if published < taken:
         raise click.ClickException(
-            f"{failed} task(s) could not be published (is the broker reachable?); they stay in the waiting list"
+            f"{taken - published} task(s) could not be published (is the broker reachable?); the workers "
+            "publish them again once their dispatch expires"
         )
 
 
@@ -882,24 +851,18 @@ def drain(ctx: click.Context, name: str, yes: bool, dry_run: bool) -> None:
 @click.pass_context
 def redispatch(ctx: click.Context, name: str) -> None:
     """Dispatch now the tasks waiting for NAME (a cap with all its keys, or one slot) whose slots
-    have room, and those whose dispatch expired unclaimed: the sweep's wake step, at once."""
-    from . import parking
+    have room, and those whose dispatch expired unclaimed: the workers' recovery, at once."""
+    from . import park
 
     operator = _parking_operator(ctx)
     slots = sorted({waiter.slot for waiter in _waiters_of(operator, name)})
     if not slots:
         click.echo(f"{name}: no waiting task")
         return
-    woken = _guard(lambda: operator.store.wake(parking.dispatch_lease_seconds(operator), slots))
-    sent = parking.publish_woken(operator.app, woken)
+    sent = _guard(lambda: park.recover(operator, slots))
     click.echo(f"dispatched {len(sent)} waiting task(s) of {name}")
     for waiter in sent:
         click.echo(f"  {waiter.task_id} {waiter.task_name or '?'}")
-    if len(sent) < len(woken):
-        raise click.ClickException(
-            f"{len(woken) - len(sent)} task(s) could not be published (is the broker reachable?); their slots "
-            "stay reserved until the dispatch lease expires, then the sweep dispatches them again"
-        )
 
 
 # -- watch -------------------------------------------------------------------------

@@ -45,9 +45,6 @@ DEFAULTS: dict[str, Any] = {
     "caps_park_max_payload_bytes": 65536,
     "caps_park_on_publish": True,  # with park: a task whose slots are full when it is sent waits in the store
     "caps_admit_on_publish": True,  # with park on publish: a task sent while its slots have room takes them then
-    "caps_standby_per_slot": 4,  # park: waiters per slot name held by a waiting pool process (0: none)
-    "caps_standby_max": 8,  # park: standby waiters in the whole store, at most
-    "caps_standby_seconds": 10.0,  # park: how long a standby pool process waits for its slot
 }
 
 
@@ -65,13 +62,6 @@ def _positive_int(conf: Mapping[str, Any], name: str) -> int:
     value = conf.get(name, DEFAULTS[name])
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def _count(conf: Mapping[str, Any], name: str) -> int:
-    value = conf.get(name, DEFAULTS[name])
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigurationError(f"{name} must be an integer of 0 or more, got {value!r}")
     return value
 
 
@@ -104,9 +94,6 @@ class ParkingSettings:
     max_payload_bytes: int = 65536
     on_publish: bool = True
     admit_on_publish: bool = True
-    standby_per_slot: int = 4
-    standby_max: int = 8
-    standby_seconds: float = 10.0
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> ParkingSettings:
@@ -133,19 +120,11 @@ class ParkingSettings:
             _positive_int(conf, "caps_park_max_payload_bytes"),
             _flag(conf, "caps_park_on_publish"),
             _flag(conf, "caps_admit_on_publish"),
-            _count(conf, "caps_standby_per_slot"),
-            _count(conf, "caps_standby_max"),
-            cast(float, _number(conf, "caps_standby_seconds")),
         )
 
     def strategy_for(self, caps: Sequence[Cap]) -> str:
         """``park`` if any of ``caps`` chooses it, else ``backoff``."""
         return PARK if any(self.per_cap.get(cap.name, self.default) == PARK for cap in caps) else BACKOFF
-
-    @property
-    def uses_standby(self) -> bool:
-        """Whether releases put waiters on standby (``caps_standby_per_slot`` and ``_max`` above 0)."""
-        return self.standby_per_slot > 0 and self.standby_max > 0
 
     @property
     def uses_park(self) -> bool:

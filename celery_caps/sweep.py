@@ -1,6 +1,8 @@
 """The sweep: a Celery task, ``celery_caps.sweep``, on the beat schedule by default.
 
-It deletes expired leases (a crashed worker's slots) and keeps every sentinel.
+It deletes expired leases (a crashed worker's slots) and old tombstones of the
+waiting list, and keeps every sentinel.  It is housekeeping only: what keeps
+waiting tasks moving runs in the workers (:class:`celery_caps.worker.Recovery`).
 Running it from several beats at once is safe: each run deletes only rows that
 are already expired, and deleting a row twice is a no-op.  It also warns when a
 cap's number of keys passes ``caps_key_warning_threshold``: keys must come from
@@ -66,12 +68,8 @@ def install(app: Celery) -> None:
     @app.task(name=SWEEP_TASK_NAME, shared=False, ignore_result=True)  # type: ignore[untyped-decorator]
     def sweep() -> int:
         """Delete expired slot leases (keeps sentinels); returns how many were deleted."""
-        from .parking import sweep_waiters
-
         runtime = runtime_for(app)
-        deleted = sweep_store(runtime.store, runtime.settings.key_warning_threshold)
-        sweep_waiters(runtime)  # after the expired leases are gone: wake what fits now
-        return deleted
+        return sweep_store(runtime.store, runtime.settings.key_warning_threshold)
 
     def add_beat_entry(sender: Any = None, **_: Any) -> None:
         from .settings import CapsSettings

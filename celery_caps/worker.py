@@ -10,14 +10,15 @@ The worker's main process never blocks its event loop on the store: releases it
 must do itself (a child killed by a hard time limit, ``revoke(terminate=True)``,
 a lost child, a revoked parked task discarded on arrival) go to a small
 background thread.  With the park strategy in use, every release hands the freed
-slots to waiting tasks (see :mod:`celery_caps.parking`).
+slots to waiting tasks, and the main process runs :class:`Recovery`, which keeps
+waiters moving when no release does (see :mod:`celery_caps.park`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -32,12 +33,12 @@ from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery import bootsteps, signals
 from celery.worker.request import Request
 
-from . import parking
+from . import park
 from .errors import LeaseLost, StoreError
 from .history import HistoryRecorder
 from .metrics import metrics_for
 from .settings import CapsSettings
-from .stores.base import Admission, HistoryEvent, SlotStore, Woken, store_from_url
+from .stores.base import Admission, HistoryEvent, SlotStore, store_from_url
 from .stores.base import green_threads as _green_threads
 
 if TYPE_CHECKING:
@@ -96,11 +97,8 @@ class CapsRuntime:
         self._store: SlotStore | None = None
         self._lock = threading.Lock()
         self._held: dict[str, HeldRun] = {}
-        # Store calls that failed (store unreachable), retried by the keeper every second until
-        # they succeed, keyed by what they are for: a run's release (so that its slots free soon
-        # after the store returns rather than a lease later), and the unlisting of a task handed
-        # over on standby (or the sweep would dispatch it again once its dispatch expires, and
-        # it would run twice).
+        # Releases that failed (store unreachable), retried by the keeper every second until they
+        # succeed, so that their slots free soon after the store returns rather than a lease later.
         self._failed_calls: dict[str, Callable[[], object]] = {}
         self._keeper: LeaseKeeper | None = None
         #: Renewal ticks that failed (store unreachable) in this process.
@@ -112,9 +110,6 @@ class CapsRuntime:
             self.history = HistoryRecorder(self.settings.history_seconds, self.settings.history_max_events)
         #: Whether this worker sends task events (-E); set by the worker's bootstep.
         self.send_events = False
-        # How long the last run of each task name took in this process, in seconds: a run
-        # starting with tasks waiting behind it puts them on standby only if runs are short.
-        self._run_seconds: dict[str | None, float] = {}
 
     # -- process life -------------------------------------------------------------
 
@@ -155,18 +150,17 @@ class CapsRuntime:
 
     def warm_up(self) -> None:
         """Build the store and let it prepare (schema, connections) before the first task needs
-        it: for the thread that runs the tasks, the background thread (a standby's claim,
-        putting waiters on standby) and the lease keeper.  A failure is logged (the first task
-        tries again)."""
+        it: for the thread that runs the tasks, the background thread and the lease keeper.  A
+        failure is logged (the first task tries again)."""
         try:
             self.store.warm_up(threads=2, renewals=True)
         except Exception as exc:  # a StoreError, or a bad setting the worker reports at start
             logger.info("celery-caps: the slot store was not warmed up (%s); the first task connects", exc)
             return
-        if not parking.parks(self):
+        if not park.parks(self):
             return
-        # With park, a pool process publishes (woken tasks, standby copies) from its first runs
-        # on, while hand-overs wait for those messages: connect its producer to the broker now.
+        # With park, a pool process publishes woken tasks from its first runs on, while
+        # hand-overs wait for those messages: connect its producer to the broker now.
         try:
             with self.app.producer_or_acquire() as producer:
                 producer.connection.ensure_connection(max_retries=1)
@@ -206,7 +200,7 @@ class CapsRuntime:
             # The error may have come after the store committed the leases (the connection
             # died before the reply): release the run once the store answers again, or its
             # leases would count against the caps until they expire.
-            self._retry_release(run_id)
+            self.retry_release(run_id)
             raise
         if admission.granted:
             with self._lock:
@@ -233,14 +227,6 @@ class CapsRuntime:
                 thread_id=threading.get_ident(),
             )  # fmt: skip
         self._ensure_keeper()
-
-    def _release_run(self, run_id: str, run: HeldRun | None = None) -> int:
-        """The store release of one run (leases deleted); with the park strategy it also wakes
-        waiters, and given the run, puts the next ones on standby in the background (for the
-        hand-overs to come: the task's process is free for its next message sooner)."""
-        if run is None:
-            return parking.release(self, run_id)
-        return parking.release(self, run_id, after_wake=lambda: self.stand_by_soon(run.task_name, run.slots))
 
     def deferred(
         self,
@@ -269,7 +255,6 @@ class CapsRuntime:
             run = self._held.pop(run_id, None)
         if run is None:
             return
-        self._run_seconds[run.task_name] = time.time() - run.started_at
         self.metrics.released(run.slots)
         if self.history is not None:
             self.history.add(
@@ -279,7 +264,7 @@ class CapsRuntime:
                 )
             )  # fmt: skip
         try:
-            self._release_run(run_id, run)
+            park.release(self, run_id)
         except StoreError as exc:
             logger.warning(
                 "could not release run %s (%s); retrying in the background (its leases expire within %.0f s)",
@@ -287,24 +272,23 @@ class CapsRuntime:
                 exc,
                 self.settings.lease_seconds,
             )
-            self._retry_release(run_id)
+            self.retry_release(run_id)
 
-    def _retry_release(self, run_id: str) -> None:
+    def retry_release(self, run_id: str) -> None:
+        """Have the keeper release ``run_id`` every second until the store answers: a call that
+        failed may have committed its leases before its reply was lost."""
+
         def release_again() -> None:
-            if self._release_run(run_id):
+            if park.release(self, run_id):
                 logger.info("released run %s after an earlier failure", run_id)
 
-        self._retry_later(f"release {run_id}", release_again)
-
-    def _retry_later(self, key: str, call: Callable[[], object]) -> None:
-        """Have the keeper retry a store call that failed, every second until it succeeds."""
         with self._lock:
-            self._failed_calls[key] = call
+            self._failed_calls[f"release {run_id}"] = release_again
         self._ensure_keeper()
 
     def retry_failed_calls(self) -> int:
-        """Retry the store calls that failed earlier (releases, unlistings); a StoreError leaves
-        the rest for the keeper's next tick.  Returns how many are still pending."""
+        """Retry the releases that failed earlier; a StoreError leaves the rest for the keeper's
+        next tick.  Returns how many are still pending."""
         with self._lock:
             pending = list(self._failed_calls.items())
         for key, call in pending:
@@ -315,29 +299,8 @@ class CapsRuntime:
         with self._lock:
             return len(self._failed_calls)
 
-    def unlist_handed_over(self, task_id: str, run_id: str, task_name: str | None) -> None:
-        """Take a task that a release handed over on standby (dispatch ``run_id``) off the
-        waiting list, in the background; after a store error, the keeper tries again every
-        second.  Only an entry still dispatched as ``run_id`` is deleted: the same task id
-        parked again (a retry) or dispatched again (the sweep) is left alone."""
-        handed_over = [Woken(task_id, run_id, b"", task_name)]
-
-        def unlist_again() -> None:
-            deleted = self.store.settle_published(handed_over)
-            logger.info("took %s off the waiting list after an earlier failure (%d entries)", task_id, deleted)
-
-        def unlist() -> int:
-            try:
-                return self.store.settle_published(handed_over)
-            except StoreError as exc:
-                logger.warning("could not take %s off the waiting list (%s); retrying every second", task_id, exc)
-                self._retry_later(f"unlist {task_id}", unlist_again)
-                return 0
-
-        self.in_background(f"taking {task_id} off the waiting list", unlist)
-
     def has_failed_calls(self) -> bool:
-        """Whether store calls (releases, the unlisting of handed-over tasks) failed and wait for a retry."""
+        """Whether releases failed and wait for a retry."""
         with self._lock:
             return bool(self._failed_calls)
 
@@ -464,18 +427,6 @@ class CapsRuntime:
                     self._keeper = LeaseKeeper(self)
                     self._keeper.start()
 
-    def stand_by_soon(self, task_name: str | None, slots: Sequence[str]) -> None:
-        """A run of ``task_name`` started with tasks waiting behind it, or ended and woke some:
-        put the next of them on standby, in the background (see
-        :func:`celery_caps.parking.stand_by`), unless this process saw that task's last run take
-        too long for a standby to pay (a first run counts as short)."""
-        ran_seconds = self._run_seconds.get(task_name, 0.0)
-        self.in_background(
-            "putting waiters on standby",
-            lambda: len(parking.stand_by(self, slots, ran_seconds)),
-            after_failure="they are published when woken",
-        )
-
     # -- work for the worker's main process --------------------------------------
 
     def in_background(
@@ -592,17 +543,7 @@ def _release_dead_run(request: Request, reason: str) -> None:
     holder = holder_name(request.hostname, request.worker_pid)
     task_id = request.id
     runtime = runtime_for(task.app)
-    runtime.in_background(
-        f"releasing {task_id} after {reason}", lambda: parking.release_holder(runtime, task_id, holder)
-    )
-    mark = request._request_dict.get(parking.STANDBY_HEADER)
-    if mark:
-        # A standby copy: nobody waits for its signal any more.
-        def end_standby() -> int:
-            parking.end_standby(runtime, task_id, str(mark))
-            return 0
-
-        runtime.in_background(f"ending the standby of {task_id} after {reason}", end_standby)
+    runtime.in_background(f"releasing {task_id} after {reason}", lambda: park.release_holder(runtime, task_id, holder))
 
 
 class CappedRequest(Request):  # type: ignore[misc]
@@ -637,7 +578,7 @@ class CappedRequest(Request):  # type: ignore[misc]
 
 class CapsWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
     """With park in use, consume the wake queue of every task queue this worker consumes
-    (:data:`~celery_caps.parking.WAKE_QUEUE_SUFFIX`), also of queues added later by the
+    (:data:`~celery_caps.park.WAKE_QUEUE_SUFFIX`), also of queues added later by the
     ``add_consumer`` control command: a woken task, its slot already taken for it,
     overtakes its queue's backlog.  A wake queue is dropped with its queue."""
 
@@ -646,11 +587,11 @@ class CapsWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def __init__(self, consumer: Any, **kwargs: Any) -> None:
         super().__init__(consumer, **kwargs)
-        app = consumer.app
-        self.enabled = any(_is_capped(task) for task in app.tasks.values()) and _park_in_use(app)
+        # Whatever tasks it knows now: tasks registered later (``reload()``) park too.
+        self.enabled = _park_in_use(consumer.app)
 
     def start(self, consumer: Any) -> None:
-        from .parking import is_wake_queue, wake_queue, wake_queue_name
+        from .park import is_wake_queue, wake_queue, wake_queue_name
 
         queues = consumer.app.amqp.queues
         for queue in list(consumer.task_consumer.queues):
@@ -688,60 +629,62 @@ def _park_in_use(app: Celery) -> bool:
         return False
 
 
-#: Seconds between two looks, in a worker's main process, for revoked tasks among its standby copies.
-REVOKED_STANDBY_CHECK_SECONDS = 1.0
+#: Seconds between two recovery calls of a worker's main process (each call spread by up to
+#: a fifth, so that a fleet's workers do not all call at once).
+RECOVERY_SECONDS = 2.0
 
 
-class RevokedStandbys:
-    """Main process: a standby copy is a running task to Celery, which a ``revoke`` without
-    ``terminate`` does not stop.  Every :data:`REVOKED_STANDBY_CHECK_SECONDS`, a revoked task
-    whose copy waits on standby here is taken off the waiting list, in the background: no
-    release dispatches it any more, its result is marked ``REVOKED``, and its copy ends when its
-    standby does.  (Revoked after a release handed it its slot, it runs: a running task.)"""
+class Recovery(threading.Thread):
+    """Main process, with park in use: every :data:`RECOVERY_SECONDS`, one store call that keeps
+    waiters moving when no release does (:func:`celery_caps.park.recover`): dispatches never
+    claimed are dispatched again, room freed by expired leases goes to waiters, waiters past
+    ``caps_max_wait_seconds`` are readmitted.  Every worker runs one; several at once are safe.
+    A store outage is logged once, and its end once."""
 
     def __init__(self, runtime: CapsRuntime) -> None:
+        super().__init__(name="celery-caps-recovery", daemon=True)
         self.runtime = runtime
-        self._handled: set[str] = set()
+        self._stopped = threading.Event()
+        self._failing = False
 
-    def check(self) -> None:
-        from celery.worker import state
+    def stop(self) -> None:
+        self._stopped.set()
 
-        standbys = [
-            request
-            for request in list(state.active_requests)
-            if request._request_dict.get(parking.STANDBY_HEADER) and _is_capped(request.task)
-        ]
-        self._handled &= {request.id for request in standbys}
-        for request in standbys:
-            if request.id in state.revoked and request.id not in self._handled:
-                self._handled.add(request.id)
-                self.runtime.in_background(
-                    f"taking revoked task {request.id} off the waiting list",
-                    functools.partial(self._forget, request),
-                    after_failure="its standby may still run it",
+    def run(self) -> None:
+        while not self._stopped.wait(RECOVERY_SECONDS * random.uniform(0.8, 1.2)):
+            self.tick()
+
+    def tick(self) -> None:
+        try:
+            published = park.recover(self.runtime)
+        except StoreError as exc:
+            if not self._failing:
+                logger.warning(
+                    "celery-caps recovery: the slot store failed (%s); trying again every %.0f s", exc, RECOVERY_SECONDS
                 )
-
-    def _forget(self, request: Request) -> int:
-        removed = parking.forget(self.runtime, request.id)
-        if removed:
-            logger.info("celery-caps: revoked task %s[%s] taken off the waiting list", request.name, request.id)
-            request.task.backend.mark_as_revoked(
-                request.id, "revoked", request=request._context, store_result=request.store_errors
-            )
-        return removed
+            self._failing = True
+            return
+        except Exception:  # keep recovering whatever happens
+            logger.exception("celery-caps recovery crashed; trying again in %.0f s", RECOVERY_SECONDS)
+            return
+        if self._failing:
+            logger.warning("celery-caps recovery: the slot store answers again")
+            self._failing = False
+        if published:
+            logger.info("celery-caps recovery: dispatched %d waiting task(s)", len(published))
 
 
 class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Refuses to start a worker whose app has capped tasks but no usable caps settings;
-    serves the metrics endpoint (``caps_metrics_port``, ``--caps-metrics-port``); takes revoked
-    standby copies off the waiting list (:class:`RevokedStandbys`)."""
+    serves the metrics endpoint (``caps_metrics_port``, ``--caps-metrics-port``); runs
+    :class:`Recovery` with park in use."""
 
     label = "celery-caps"
 
     def __init__(self, worker: Any, caps_metrics_port: int | None = None, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self._metrics_server: Any = None
-        self._revoked_check: Any = None
+        self._recovery: Recovery | None = None
         app = worker.app
         capped = sorted(name for name, task in app.tasks.items() if _is_capped(task))
         if not capped:
@@ -753,7 +696,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         url = settings.require_url()
         store = store_from_url(url, create_schema=settings.create_schema)
         display = getattr(store, "display_url", type(store).__name__)
-        parking.check_store(app, store)
+        park.check_store(app, store)
         from .stores.memory import MemoryStore
 
         if isinstance(store, MemoryStore):
@@ -776,10 +719,9 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         runtime = _existing_runtime(worker.app)
         if runtime is None:
             return
-        parking_settings = parking.parking_for(runtime)
-        if parking_settings.uses_park and parking_settings.uses_standby:
-            revoked = RevokedStandbys(runtime)
-            self._revoked_check = worker.timer.call_repeatedly(REVOKED_STANDBY_CHECK_SECONDS, revoked.check)
+        if runtime.settings.parking.uses_park:
+            self._recovery = Recovery(runtime)
+            self._recovery.start()
         if runtime.settings.metrics_port is None:
             return
         from . import metrics
@@ -793,9 +735,9 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         )
 
     def stop(self, worker: Any) -> None:
-        if self._revoked_check is not None:
-            self._revoked_check.cancel()
-            self._revoked_check = None
+        if self._recovery is not None:
+            self._recovery.stop()
+            self._recovery = None
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
@@ -843,8 +785,8 @@ def _release_on_revoke(sender: Any = None, request: Any = None, terminated: bool
     task_id = request.id
 
     def release_revoked() -> int:
-        released = parking.release_task(runtime, task_id) if terminated else 0
-        return released + parking.forget(runtime, task_id)
+        released = park.release_task(runtime, task_id) if terminated else 0
+        return released + park.forget(runtime, task_id)
 
     runtime.in_background(f"releasing revoked task {task_id}", release_revoked)
 
@@ -866,7 +808,7 @@ def _release_on_worker_shutdown(sender: Any = None, **_: Any) -> None:
             if request.worker_pid is None:
                 continue
             try:
-                parking.release_holder(runtime, request.id, holder_name(request.hostname, request.worker_pid))
+                park.release_holder(runtime, request.id, holder_name(request.hostname, request.worker_pid))
             except StoreError as exc:
                 logger.warning("could not release %s at shutdown (%s)", request.id, exc)
     if runtime is not None:

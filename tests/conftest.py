@@ -15,7 +15,15 @@ from typing import TextIO
 import pytest
 
 from celery_caps.stores.base import SlotStore
-from tests.services import StoreKind, StoreTarget, delete_own_rows, new_prefix, store_params, store_url_for
+from tests.services import (
+    StoreKind,
+    StoreTarget,
+    delete_own_rows,
+    new_prefix,
+    private_databases,
+    store_params,
+    store_url_for,
+)
 
 #: Seconds a test phase may outlive its pytest-timeout limit before the watchdog ends the run.
 WATCHDOG_GRACE_SECONDS = 120.0
@@ -108,6 +116,14 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     yield from _watch_phase(item, "teardown")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_databases() -> Iterator[None]:
+    """This session's own PostgreSQL schema and MySQL database (dropped at its end): tests and
+    the workers they start never meet tables of another run, or of another version."""
+    with private_databases():
+        yield
 
 
 @pytest.fixture(params=store_params())

@@ -152,15 +152,16 @@ def store_url_for(kind: StoreKind, tmp_path: Path) -> str:
 
 
 @contextlib.contextmanager
-def private_sql_url(service: str) -> Iterator[str]:
-    """A store URL on the ``postgres`` or ``mysql`` test server whose tables are this test's
-    alone, dropped afterwards: a PostgreSQL schema of its own (first on the search path) or
-    a MySQL database of its own.
+def private_sql_url(service: str, server_url: str | None = None) -> Iterator[str]:
+    """A store URL on the ``postgres`` or ``mysql`` test server (``server_url``, default the
+    service's variable) whose tables are this test's alone, dropped afterwards: a PostgreSQL
+    schema of its own (alone on the search path) or a MySQL database of its own.
 
-    For tests of store-wide operations (the sweep's wake and expiry of waiters, say), which
-    on the shared database would reach other test runs' rows.
+    For tests of store-wide operations (recovery, say), which on a shared database would
+    reach other test runs' rows; and for each test session (``tests/conftest.py``), so that
+    no table of another version or another run is ever seen.
     """
-    server = sa.engine.make_url(require_service(service))
+    server = sa.engine.make_url(server_url or require_service(service))
     space = f"caps_{uuid.uuid4().hex[:12]}"
     engine = sa.create_engine(server)
     try:
@@ -180,6 +181,22 @@ def private_sql_url(service: str) -> Iterator[str]:
                 connection.exec_driver_sql(drop)
     finally:
         engine.dispose()
+
+
+@contextlib.contextmanager
+def private_databases() -> Iterator[None]:
+    """Point the PostgreSQL and MySQL variables at a schema/database of their own while the
+    context lasts (each reachable service; the others are left to skip or fail as usual)."""
+    with contextlib.ExitStack() as stack:
+        for service in ("postgres", "mysql"):
+            variable = SERVICE_VARIABLES[service]
+            url = os.environ.get(variable, "").strip()
+            if not url or _unreachable_reason(url) is not None:
+                continue
+            private = stack.enter_context(private_sql_url(service, url))
+            os.environ[variable] = private
+            stack.callback(os.environ.__setitem__, variable, url)
+        yield
 
 
 def new_prefix() -> str:

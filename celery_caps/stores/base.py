@@ -41,71 +41,65 @@ the store cannot be reached.  Pass an instance as ``caps_url``.
 
 Parking (optional)
 ------------------
-A store that sets :attr:`SlotStore.supports_parking` also keeps a *waiting
-list*: tasks that found their slots full park there (an opaque payload that
-republishes the task) instead of going back to the broker, and a release hands
-freed slots directly to the oldest waiters.  The atomic steps:
+A store that sets :attr:`SlotStore.supports_parking` also keeps a *waiting list*:
+tasks that found their slots full wait there (an opaque payload that publishes the
+task again) instead of going back to the broker, and a release hands freed slots
+directly to the oldest waiters.  Each task id has at most one *entry*, in one of
+three states:
+
+waiting
+    In the list, in order of first deferral (then park time).
+dispatched
+    Handed a *dispatch* under a fresh run id D until a deadline
+    (``dispatch_lease_seconds``): with *dispatch leases* (D's leases on every slot
+    it needs, held by :data:`DISPATCH_HOLDER`, so no newer task takes the room), or
+    without leases for a *readmit* (waited past the maximum wait, or drained by an
+    operator: its copy goes through admission again).  Each dispatch counts.
+done
+    A tombstone (:data:`DONE_SECONDS`) of an entry that was dispatched more than
+    once and has been claimed: copies of its older dispatches may still be on their
+    way, and must end.  Never walked nor listed; the sweep deletes it.
+
+The atomic steps:
 
 ``park``
-    Under the same sentinel locks as ``acquire``: admit if every slot has room
-    now, else record the waiter (one entry per slot it needs).  Admission and
-    parking are one step, so a release that committed before it is seen as room,
-    and one that commits after it sees the waiter: no waiter is ever stranded.
+    Under the same sentinel locks as ``acquire``: if the task id is waiting or
+    dispatched already, change nothing (:data:`PARK_WAITING`: the list answers for
+    it); else admit if every slot has room; else (with a payload) record the
+    waiter.  Admission and parking are one step, so a release that committed before
+    it is seen as room, and one that commits after it sees the waiter.
 ``release_and_wake`` (and ``release_holder_and_wake``, ``release_task_and_wake``)
-    Delete one run's leases (or a dead process's, or a revoked task's) and, in
-    the same transaction, *dispatch* the oldest waiters (by first-deferral time,
-    then park time) whose every slot now has room: a short *dispatch lease* is
-    created under the waiter's task id, held by :data:`DISPATCH_HOLDER` (so no
-    newer task can take the room), and its payload is returned for the caller
-    to publish.  A waiter whose slots are not all free is passed over, never
-    blocks the ones behind it.  Every release of a store in use by parked tasks
-    goes through one of these, so freed room always goes to waiters first.
-``forget``
-    The task is not to run (revoked): remove its waiting entries and dispatch
-    leases, and wake the waiters of the slots that frees.
+    Delete one run's leases (or a dead process's, or a revoked task's) and, in the
+    same transaction, dispatch the oldest waiters (by first deferral, then park
+    time) whose every slot now has room.  A waiter whose slots are not all free is
+    passed over, never blocks the ones behind it.  Every release of a store in use
+    by parked tasks goes through one of these, so freed room goes to waiters first.
 ``claim``
-    The dispatched task arrived: turn its dispatch lease into a run lease (holder,
-    full lease length) and delete its waiter entries.
-``wake``
-    For the sweep: waiters whose dispatch lease expired unclaimed (the releaser
-    died before publishing, the message was lost) go back to waiting at their
-    old place, then every waiting slot with room is dispatched again.
-``expire_waiters``, ``drain`` and ``settle_published``
-    Waiters leave the list without slots (waited too long, an operator drains a
-    cap) at least once: they are marked (a dispatch without leases), published,
-    and only then deleted; a mark that is not settled expires like a dispatch.
+    A copy that carries dispatch run id D arrived.  One step decides whether it
+    runs, ends, or goes through admission (:class:`ClaimOutcome`); see
+    :meth:`SlotStore.claim`.  A copy ends only when the store shows that someone
+    else answers for the task: its entry (waiting, or dispatched to another run),
+    a live run of D claimed by another copy, or a tombstone.
+``forget``
+    The task is not to run (revoked, expired): its entry goes (a dispatched one
+    becomes a tombstone), its dispatch leases are deleted, and the waiters of the
+    slots that frees are dispatched.
+``recover``
+    What keeps waiters moving when no release does: dispatches whose deadline
+    passed go back to waiting (their leases deleted), waiters past the maximum
+    wait are readmitted, and every waiter that fits now is dispatched.  Workers
+    call it every few seconds; several at once are safe.
+``readmit``
+    An operator empties a slot's list: its waiters are dispatched without leases.
 
-Standby (optional, for a store that parks)
-------------------------------------------
-A store that sets :attr:`SlotStore.supports_standby` can also signal a dispatch to a
-worker process that waits for it, instead of the releaser publishing the message:
-
-``stand_by``
-    Put the oldest waiters of some slots *on standby* (a record under a fresh mark,
-    for ``hold_seconds``), within a bound per slot and in all; return their payloads.
-    The caller publishes a copy of each, which a pool process holds while it waits.
-    The waiter keeps its place and its entries: it is dispatched like any other.
-``release_and_wake`` and the other dispatching steps
-    A woken waiter whose standby is live is *taken* in the same transaction (the
-    dispatch run id written to its standby record) and signalled once it commits;
-    it comes back with ``Woken.standby`` set, and the caller does not publish it.
-``await_standby``
-    The waiting process: it records its holder and lease length in its standby
-    (a release from then on creates the leases in its name, claimed), then waits
-    for the signal until ``timeout`` and returns the dispatch.  On timeout the standby ends, in
-    one step against the release: either it ends (None: the copy is dropped, the
-    waiter waits on in the list) or a release took it first (its run id).
-``claim_dispatch``
-    ``claim``, also answering whether other tasks still wait for the claimed slots (in the
-    same step), so that a run that starts with waiters behind it can put them on standby.
-
-``warm_up`` (any store) prepares what a first call would (schema, scripts) and connects
-ahead of use; a worker's pool processes call it when they start.
+Every dispatch is returned as a :class:`Woken` for the caller to publish (the entry
+keeps answering for the task until a copy claims it).
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -180,57 +174,29 @@ class HistoryEvent:
 
 @dataclass(frozen=True)
 class Woken:
-    """A waiter to publish again (``payload``): handed its slots by a release or ``wake``, or
-    taken off the list by ``expire_waiters``/``drain``."""
+    """A dispatched waiter to publish (``payload``), its copy carrying ``run_id``."""
 
     task_id: str
-    #: The run id of the dispatch leases (the arriving task claims them with it), or the
-    #: mark of ``expire_waiters``/``drain`` (for ``settle_published``).
+    #: The dispatch's run id (D): the copy's header, which its claim presents.
     run_id: str
-    #: The message (may be empty for a dispatch signalled to its standby: it is not published).
+    #: The task's message, as parked.
     payload: bytes
     task_name: str | None = None
-    #: A dispatch signalled to the waiter's standby process (``await_standby``): not to publish.
-    standby: bool = False
+    #: A dispatch without leases: the copy goes through admission again (maximum wait
+    #: passed, or an operator drained its list).
+    readmit: bool = False
 
 
-@dataclass(frozen=True)
-class Standby:
-    """One waiter on standby, as operators see it."""
+class ClaimOutcome(enum.Enum):
+    """What :meth:`SlotStore.claim` decided for an arriving copy."""
 
-    task_id: str
-    #: The waiting process (``"<node>/<pid>"``) once its copy waits; None until then.
-    holder: str | None
-    #: A release took it for a dispatch (the waiting process runs it).
-    taken: bool
-    #: Seconds until the standby expires, by the store's clock (negative: expired).
-    expires_in: float
-
-
-@dataclass(frozen=True)
-class StandbyDispatch:
-    """What :meth:`SlotStore.await_standby` returns once a release took the standby."""
-
-    #: The run id of the waiter's leases.
-    run_id: str
-    #: True: the release handed the leases over claimed (the waiting process's holder, a full
-    #: lease, the task out of the waiting list).  False: a dispatch lease, to claim as usual.
-    claimed: bool
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """What :meth:`SlotStore.claim_dispatch` did."""
-
-    #: How many leases were claimed (0: the dispatch expired; admit as usual).
-    leases: int
-    #: Other tasks still wait for one of the claimed slots (read in the same step; a hint for
-    #: putting the next of them on standby while this run is young).
-    waiters_behind: bool = False
-    #: Nothing was claimed, and the task's waiting entry is dispatched again, to another run
-    #: whose dispatch is live: another copy of the task is on its way or runs already, and
-    #: this one should end (admitted as usual, it would run the task twice).  The entry stays.
-    dispatched_elsewhere: bool = False
+    #: Its dispatch leases are now a run's, under the dispatch's run id: run the body.
+    RUN = "run"
+    #: Someone else answers for the task (its entry, another live run, a tombstone): end
+    #: this copy without running it.
+    END = "end"
+    #: Nobody else answers: go through admission as a task arriving for the first time.
+    ADMIT = "admit"
 
 
 @dataclass(frozen=True)
@@ -246,23 +212,30 @@ class Waiter:
     age: float
     #: 1 for the oldest waiter of the slot.
     position: int
-    #: Whether it has been dispatched (its slots are reserved, its message is on the way).
+    #: Whether it has been dispatched (its message is on the way; its slots are reserved
+    #: unless it was readmitted).
     dispatched: bool
 
 
 #: The holder of a dispatch lease until the dispatched task claims it.
 DISPATCH_HOLDER = "caps-dispatch"
 
-#: ``park`` outcomes: admitted (room after all), parked (or was already), or the
-#: slot's waiting list holds ``max_waiters`` already.
+#: ``park`` outcomes.  Admitted: every slot had room, the leases are taken.
 PARK_ADMITTED = "admitted"
+#: Parked: the task waits in the list now.
 PARK_PARKED = "parked"
-#: ``park(report_first=True)``: parked, first in the waiting list of one of its slots at least
-#: (nobody waited there before it; a running holder's claim put no one on standby).
-PARK_PARKED_FIRST = "parked_first"
+#: The task id waits already (waiting or dispatched): nothing changed; the list answers for it.
+PARK_WAITING = "waiting"
+#: A slot's waiting list holds ``max_waiters`` already: nothing stored.
 PARK_LIST_FULL = "waitlist_full"
+#: A slot is full and no payload was given: nothing stored (the caller parks with one).
+PARK_FULL = "full"
 #: ``park(admit=False)``: every slot has room; nothing was taken or stored.
 PARK_ROOM = "room"
+
+#: Seconds a claimed entry that was dispatched more than once stays as a tombstone, so that
+#: copies of its earlier dispatches still on their way end rather than run it again.
+DONE_SECONDS = 3600.0
 
 
 #: The history kinds a store accepts.
@@ -314,7 +287,8 @@ class SlotStore(abc.ABC):
 
     @abc.abstractmethod
     def sweep(self) -> int:
-        """Delete expired leases, never sentinels; returns how many were deleted."""
+        """Delete expired leases, never sentinels (and, in a store that parks, tombstones past
+        :data:`DONE_SECONDS`); returns how many leases were deleted."""
 
     @abc.abstractmethod
     def status(self) -> list[SlotStatus]:
@@ -329,7 +303,7 @@ class SlotStore(abc.ABC):
         """Delete the sentinels of slot names starting with ``prefix`` that no live lease holds
         and no parked task waits for (waiting or dispatched: waking needs the sentinel).
 
-        Expired leases of those slots go too.  Atomic per slot against admission:
+        Expired leases and tombstones of those slots go too.  Atomic per slot against admission:
         a slot being admitted into is either kept (its lease is seen) or pruned
         before the admission, which then creates its sentinel again.  With
         ``dry_run`` nothing is deleted.  Returns the slot names pruned (or that
@@ -349,6 +323,8 @@ class SlotStore(abc.ABC):
 
     #: Whether this store implements the waiting list (``park`` and the methods below).
     supports_parking = False
+    #: How long a tombstone lasts, in seconds (:data:`DONE_SECONDS`; tests shorten it).
+    done_seconds: float = DONE_SECONDS
 
     def park(
         self,
@@ -358,21 +334,21 @@ class SlotStore(abc.ABC):
         holder: str,
         lease_seconds: float,
         *,
-        payload: bytes,
+        payload: bytes | None,
         first_deferred_at: float,
         max_waiters: int,
         task_name: str | None = None,
         admit: bool = True,
-        report_first: bool = False,
     ) -> str:
-        """Admit like ``acquire`` if every slot has room; else park the task.  One atomic step.
+        """Admission for the park strategy, in one atomic step (under the sentinel locks).
 
-        Returns :data:`PARK_ADMITTED` (leases taken for ``run_id``), :data:`PARK_PARKED`
-        (waiting; also when ``task_id`` was parked already) or :data:`PARK_LIST_FULL`
-        (a slot already has ``max_waiters`` waiters; nothing stored).  With ``admit=False``
-        (a task being sent, not run) a task with room takes nothing: :data:`PARK_ROOM`.
-        With ``report_first``, a task parked now in a slot whose list held no other task
-        returns :data:`PARK_PARKED_FIRST` instead of :data:`PARK_PARKED`.
+        In this order: :data:`PARK_WAITING` if ``task_id`` is waiting or dispatched already
+        (nothing changes); :data:`PARK_ADMITTED` if every slot has room (leases taken for
+        ``run_id``, as ``acquire`` would), or :data:`PARK_ROOM` with ``admit=False`` (a task
+        being sent: nothing taken); :data:`PARK_FULL` if ``payload`` is None (nothing stored);
+        :data:`PARK_LIST_FULL` if a slot's list holds ``max_waiters`` (nothing stored); else
+        :data:`PARK_PARKED`: the task waits, ordered by ``first_deferred_at`` (epoch seconds)
+        then the store's clock.  A tombstone of the task id is replaced.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
@@ -385,120 +361,70 @@ class SlotStore(abc.ABC):
         self, task_id: str, holder: str, dispatch_lease_seconds: float
     ) -> tuple[int, list[Woken]]:
         """``release_holder(task_id, holder)`` (a dead process's leases), then dispatch the
-        waiters the freed slots can admit.  Returns the leases deleted and the woken waiters.
-
-        The default runs ``release_holder`` and then, if it deleted a lease, ``wake``: two
-        steps, still never stranding a waiter (one that parks in between sees the room and is
-        admitted), but ``wake`` looks at every waiting slot; a store should do both in one
-        transaction that looks only at the released slots.
-        """
-        deleted = self.release_holder(task_id, holder)
-        return deleted, (self.wake(dispatch_lease_seconds) if deleted and self.supports_parking else [])
+        waiters the freed slots can admit.  Returns the leases deleted and the woken waiters."""
+        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
     def release_task_and_wake(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
-        """``release_task(task_id)`` (revoke), then dispatch the waiters the freed slots can admit.
-        Returns the leases deleted and the woken waiters.  The default is two steps, as for
-        :meth:`release_holder_and_wake`."""
-        deleted = self.release_task(task_id)
-        return deleted, (self.wake(dispatch_lease_seconds) if deleted and self.supports_parking else [])
+        """``release_task(task_id)`` (revoke), then dispatch the waiters the freed slots can
+        admit.  Returns the leases deleted and the woken waiters."""
+        raise NotImplementedError(f"{type(self).__name__} does not support parking")
+
+    def claim(
+        self, task_id: str, run_id: str, holder: str, lease_seconds: float, *, redelivered: bool = False
+    ) -> ClaimOutcome:
+        """A copy of ``task_id`` carrying dispatch run id ``run_id`` arrived; decide, in one step:
+
+        1. Every lease of ``run_id`` is a live dispatch lease: they become the run's (``holder``,
+           ``lease_seconds`` from now); the entry is deleted, or becomes a tombstone if it was
+           dispatched more than once.  :attr:`ClaimOutcome.RUN`.
+        2. Leases of ``run_id`` are live but held by another copy's run (it claimed first):
+           :attr:`~ClaimOutcome.ADMIT` if this copy was ``redelivered`` by the broker (the other
+           may have died: admission admits it at once, the task holding the slot already),
+           else :attr:`~ClaimOutcome.END`.
+        3. Otherwise (no live lease of ``run_id``: it expired, or the dispatch had none), the
+           dispatch leases left of ``run_id`` are deleted, and by the task's entry:
+
+           - none: :attr:`~ClaimOutcome.ADMIT`;
+           - waiting, or dispatched to another run: :attr:`~ClaimOutcome.END`;
+           - dispatched to ``run_id``: the entry is deleted (a tombstone if it was dispatched
+             more than once), :attr:`~ClaimOutcome.ADMIT`;
+           - a tombstone: :attr:`~ClaimOutcome.ADMIT` if ``redelivered``, else
+             :attr:`~ClaimOutcome.END`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
-        """``task_id`` is not to run (revoked, expired, dropped by an operator): remove it from
-        the waiting list and delete its dispatch leases (never a run's lease), then dispatch the
-        waiters the freed slots can admit, in one transaction.  Its standby, if no dispatch took
-        it, ends too, and a process waiting on it returns None at once.  Returns the waiting
-        entries removed and the woken waiters.
-
-        A no-op for a store without a waiting list.  The default, for a store that parks but
-        does not override it, can only delete the dispatch leases (``release_holder`` with
-        :data:`DISPATCH_HOLDER`) and wake; the task's waiting entries stay (dispatched again
-        by the sweep), so a store with a waiting list should override it.
-        """
-        if not self.supports_parking:
-            return 0, []
-        deleted = self.release_holder(task_id, DISPATCH_HOLDER)
-        return 0, (self.wake(dispatch_lease_seconds) if deleted else [])
-
-    def claim(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> int:
-        """:meth:`claim_dispatch`, returning only how many leases were claimed."""
-        return self.claim_dispatch(task_id, run_id, holder, lease_seconds).leases
-
-    def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
-        """A dispatched task arrived: renew the live dispatch leases of ``run_id`` to
-        ``lease_seconds`` under ``holder``, and remove ``task_id`` from the waiting list, in
-        one step; also tell whether other tasks still wait for one of the claimed slots.
-
-        With nothing claimed (the dispatch expired), the entry is removed too (this copy is
-        admitted as usual, and the task must not be dispatched again), unless it is dispatched
-        again to another run with a live dispatch: then it stays, for that run's copy, and
-        ``dispatched_elsewhere`` says so.
-        """
+        """``task_id`` is not to run (revoked, expired): a waiting entry is deleted, a dispatched
+        one becomes a tombstone (its copy may be on its way) and loses its dispatch leases (never
+        a run's lease); then the waiters of the freed slots are dispatched, in one transaction.
+        Returns the entries removed (0 or 1) and the woken waiters."""
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
-    def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
-        """Put waiters whose dispatch lease expired unclaimed back to waiting (same place),
-        then dispatch every waiter that has room now.  For the sweep and operators.
-
-        With ``slots``, only waiters that wait for one of those slot names are put back
-        and considered (with, to keep the order fair, the other waiters of the slots they need).
-        """
+    def recover(
+        self,
+        dispatch_lease_seconds: float,
+        *,
+        slots: Collection[str] | None = None,
+        readmit_before: float | None = None,
+    ) -> list[Woken]:
+        """Keep waiters moving, in one step: dispatched entries whose deadline passed go back to
+        waiting at their place (their dispatch leases deleted); with ``readmit_before`` (epoch
+        seconds), waiting entries first deferred before it are dispatched without leases (they
+        waited too long: their copies go through admission again, and give up there); then every
+        waiter that has room now is dispatched, oldest first.  Returns the dispatches, readmits
+        first.  With ``slots``, only entries waiting for one of those slot names are considered
+        (with, to keep the order fair, the other waiters of the slots they need)."""
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
-    def expire_waiters(self, first_deferred_before: float, hold_seconds: float) -> list[Woken]:
-        """Take the waiting (not dispatched) tasks first deferred before ``first_deferred_before``
-        (epoch seconds) off the list, at least once: mark them as being published (a mark
-        that lasts ``hold_seconds`` by the store's clock, each :class:`Woken` carrying it as its
-        ``run_id``) and return them, oldest first.  The caller publishes them, then calls
-        :meth:`settle_published`; a mark never settled (the caller died) expires, and
-        ``wake`` puts the waiter back at its place.  A marked waiter is not dispatched."""
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
-
-    def drain(self, slot: str, hold_seconds: float) -> list[Woken]:
-        """Take every waiting (not dispatched) task of ``slot`` off the list, at least once, like
-        :meth:`expire_waiters` (an operator publishes them again: they re-enter admission)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
-
-    def settle_published(self, published: Sequence[Woken], failed: Sequence[Woken] = ()) -> int:
-        """End the marks of :meth:`expire_waiters`/:meth:`drain`: delete the waiting entries of
-        ``published`` (their messages are on the broker) and put ``failed`` back to waiting at
-        their old place.  Matched by task id and mark; returns the entries deleted."""
+    def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
+        """Dispatch without leases every waiting (not dispatched) entry of ``slot``, oldest first:
+        an operator empties its list (the copies go through admission again)."""
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
     def waiters(self, slot: str | None = None) -> list[Waiter]:
-        """The waiting list (of one slot name, if given), by slot then position."""
+        """The waiting list (of one slot name, if given), by slot then position; tombstones
+        are not listed."""
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
-
-    # -- standby (optional; see the module docstring) -----------------------------
-
-    #: Whether this store can signal dispatches to waiting processes (``stand_by`` and below).
-    supports_standby = False
-
-    def stand_by(self, slots: Collection[str], per_slot: int, max_total: int, hold_seconds: float) -> list[Woken]:
-        """Put waiters of ``slots`` on standby and return them (``run_id``: the standby's mark).
-
-        For each slot name, its oldest waiting (not dispatched, not marked) waiters are put
-        on standby until ``min(per_slot, the slot's limit)`` of its waiters are; never more
-        than ``max_total`` standbys in the whole store.  A standby lasts ``hold_seconds``
-        by the store's clock.  The bounds are counts, not locks: two calls at once may go
-        over a slot's bound by one call's worth.
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not support standby")
-
-    def await_standby(
-        self, task_id: str, mark: str, timeout: float, holder: str | None = None, lease_seconds: float | None = None
-    ) -> StandbyDispatch | None:
-        """Wait up to ``timeout`` seconds for a release to dispatch ``task_id``'s standby ``mark``.
-
-        With ``holder`` (and its ``lease_seconds``), the waiting process says it waits: a
-        release from then on hands it the leases claimed.  Returns the dispatch, or None once
-        the standby has ended (timed out, or it is no longer this mark's: expired, or the task
-        left the list).  ``timeout=0`` without a holder ends a standby nobody will wait for.
-        """
-        raise NotImplementedError(f"{type(self).__name__} does not support standby")
-
-    def standbys(self) -> list[Standby]:
-        """Every standby record (taken or not, live or expired), by task id."""
-        raise NotImplementedError(f"{type(self).__name__} does not support standby")
 
     def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
         """Make the first calls fast: do now what the first call would (check the schema, load

@@ -11,18 +11,19 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .base import (
     DISPATCH_HOLDER,
     PARK_ADMITTED,
+    PARK_FULL,
     PARK_LIST_FULL,
     PARK_PARKED,
-    PARK_PARKED_FIRST,
     PARK_ROOM,
+    PARK_WAITING,
     Admission,
-    Claimed,
+    ClaimOutcome,
     HistoryEvent,
     Lease,
     SlotStatus,
@@ -50,8 +51,22 @@ class _WaiterEntry:
     parked_at: float
     sequence: int
     task_name: str | None
+    #: Dispatched: the dispatch's run id and deadline (store clock).
     dispatch_run_id: str | None = None
     dispatch_expires_at: float = 0.0
+    #: How many times it was dispatched.
+    dispatches: int = 0
+    #: A tombstone until then (store clock); None for a live entry.
+    done_until: float | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self.dispatch_run_id is None and self.done_until is None
+
+    @property
+    def listed(self) -> bool:
+        """Waiting or dispatched: the list answers for the task."""
+        return self.done_until is None
 
 
 class MemoryStore(SlotStore):
@@ -90,10 +105,7 @@ class MemoryStore(SlotStore):
                     full.append(slot)
             if full:
                 return Admission(False, tuple(full))
-            for slot in slots:
-                self._leases.setdefault(slot, {})[run_id] = _LeaseEntry(
-                    task_id, holder, now + lease_seconds, task_name, now
-                )
+            self._add_leases(slots, run_id, task_id, holder, now + lease_seconds, task_name, now)
             return Admission(True)
 
     def _full_slots(self, slots: Mapping[str, int], task_id: str, now: float) -> list[str]:
@@ -112,58 +124,73 @@ class MemoryStore(SlotStore):
         holder: str,
         lease_seconds: float,
         *,
-        payload: bytes,
+        payload: bytes | None,
         first_deferred_at: float,
         max_waiters: int,
         task_name: str | None = None,
         admit: bool = True,
-        report_first: bool = False,
     ) -> str:
         with self._lock:
             now = self.clock()
             for slot in slots:
                 self._limits[slot] = slots[slot]
+            entry = self._waiting.get(task_id)
+            if entry is not None and entry.listed:
+                return PARK_WAITING
             if not self._full_slots(slots, task_id, now):
                 if not admit:
                     return PARK_ROOM
-                for slot in slots:
-                    self._leases.setdefault(slot, {})[run_id] = _LeaseEntry(
-                        task_id, holder, now + lease_seconds, task_name, now
-                    )
+                self._add_leases(slots, run_id, task_id, holder, now + lease_seconds, task_name, now)
                 return PARK_ADMITTED
-            if task_id in self._waiting:
-                return PARK_PARKED
-            waiting = {slot: sum(1 for waiter in self._waiting.values() if slot in waiter.slots) for slot in slots}
+            if payload is None:
+                return PARK_FULL
+            waiting = {slot: sum(1 for w in self._waiting.values() if w.listed and slot in w.slots) for slot in slots}
             if any(count >= max_waiters for count in waiting.values()):
                 return PARK_LIST_FULL
             self._waiting[task_id] = _WaiterEntry(
                 task_id, dict(slots), payload, first_deferred_at, now, next(self._sequence), task_name
             )
-            return PARK_PARKED_FIRST if report_first and 0 in waiting.values() else PARK_PARKED
+            return PARK_PARKED
+
+    def _add_leases(
+        self,
+        slots: Collection[str],
+        run_id: str,
+        task_id: str,
+        holder: str,
+        expires_at: float,
+        task_name: str | None,
+        now: float,
+    ) -> None:
+        for slot in slots:
+            self._leases.setdefault(slot, {})[run_id] = _LeaseEntry(task_id, holder, expires_at, task_name, now)
+
+    def _in_order(self, entries: Iterable[_WaiterEntry]) -> list[_WaiterEntry]:
+        return sorted(entries, key=lambda waiter: (waiter.first_deferred_at, waiter.parked_at, waiter.sequence))
+
+    def _dispatch_locked(self, entry: _WaiterEntry, now: float, lease_seconds: float, leases: bool) -> Woken:
+        run_id = uuid.uuid4().hex
+        if leases:
+            self._add_leases(
+                entry.slots, run_id, entry.task_id, DISPATCH_HOLDER, now + lease_seconds, entry.task_name, now
+            )
+        entry.dispatch_run_id = run_id
+        entry.dispatch_expires_at = now + lease_seconds
+        entry.dispatches += 1
+        return Woken(entry.task_id, run_id, entry.payload, entry.task_name, readmit=not leases)
 
     def _wake_locked(self, now: float, dispatch_lease_seconds: float, only: set[str] | None = None) -> list[Woken]:
         """Dispatch the oldest waiters (of one of the slots ``only``, if given) that have room
         (the lock is held)."""
         woken = []
-        waiting = sorted(
-            (
-                waiter
-                for waiter in self._waiting.values()
-                if waiter.dispatch_run_id is None and (only is None or not only.isdisjoint(waiter.slots))
-            ),
-            key=lambda waiter: (waiter.first_deferred_at, waiter.parked_at, waiter.sequence),
+        waiting = self._in_order(
+            waiter
+            for waiter in self._waiting.values()
+            if waiter.waiting and (only is None or not only.isdisjoint(waiter.slots))
         )
         for waiter in waiting:
-            if self._full_slots(waiter.slots, waiter.task_id, now):
-                continue
-            run_id = uuid.uuid4().hex
-            for slot in waiter.slots:
-                self._leases.setdefault(slot, {})[run_id] = _LeaseEntry(
-                    waiter.task_id, DISPATCH_HOLDER, now + dispatch_lease_seconds, waiter.task_name, now
-                )
-            waiter.dispatch_run_id = run_id
-            waiter.dispatch_expires_at = now + dispatch_lease_seconds
-            woken.append(Woken(waiter.task_id, run_id, waiter.payload, waiter.task_name))
+            if not self._full_slots(waiter.slots, waiter.task_id, now):
+                woken.append(self._dispatch_locked(waiter, now, dispatch_lease_seconds, leases=True))
         return woken
 
     def _release_and_wake(
@@ -187,89 +214,91 @@ class MemoryStore(SlotStore):
     def release_task_and_wake(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         return self._release_and_wake(lambda run, lease: lease.task_id == task_id, dispatch_lease_seconds)
 
-    def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
-        with self._lock:
-            waiter = self._waiting.pop(task_id, None)
-            deleted = self._delete_locked(
-                lambda run, lease: lease.task_id == task_id and lease.holder == DISPATCH_HOLDER
-            )
-            woken = self._wake_locked(self.clock(), dispatch_lease_seconds) if deleted else []
-        return (len(waiter.slots) if waiter is not None else 0), woken
+    def _settle_locked(self, entry: _WaiterEntry, now: float) -> None:
+        """A claimed (or forgotten) entry leaves the list: a tombstone if other copies may be
+        on their way (it was dispatched more than once), else deleted."""
+        if entry.dispatches > 1:
+            entry.done_until = now + self.done_seconds
+        else:
+            del self._waiting[entry.task_id]
 
-    def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
+    def claim(
+        self, task_id: str, run_id: str, holder: str, lease_seconds: float, *, redelivered: bool = False
+    ) -> ClaimOutcome:
         with self._lock:
             now = self.clock()
-            claimed = 0
-            for runs in self._leases.values():
-                lease = runs.get(run_id)
-                if lease is not None and lease.task_id == task_id and lease.expires_at > now:
+            leases = [runs[run_id] for runs in self._leases.values() if run_id in runs]
+            leases = [lease for lease in leases if lease.task_id == task_id]
+            live = [lease for lease in leases if lease.expires_at > now]
+            entry = self._waiting.get(task_id)
+            if live and len(live) == len(leases) and all(lease.holder == DISPATCH_HOLDER for lease in live):
+                for lease in live:
                     lease.holder = holder
                     lease.expires_at = now + lease_seconds
-                    claimed += 1
-            entry = self._waiting.get(task_id)
-            if (
-                not claimed
-                and entry is not None
-                and entry.dispatch_run_id not in (None, run_id)
-                and entry.dispatch_expires_at > now
-            ):
-                return Claimed(0, dispatched_elsewhere=True)
-            self._waiting.pop(task_id, None)
-            return Claimed(claimed)
+                if entry is not None and entry.dispatch_run_id == run_id and entry.listed:
+                    self._settle_locked(entry, now)
+                return ClaimOutcome.RUN
+            if live and any(lease.holder != DISPATCH_HOLDER for lease in live):
+                return ClaimOutcome.ADMIT if redelivered else ClaimOutcome.END
+            # No live lease of the dispatch: what is left of it goes.
+            self._delete_dispatch_locked(run_id)
+            if entry is None:
+                return ClaimOutcome.ADMIT
+            if entry.done_until is not None:
+                return ClaimOutcome.ADMIT if redelivered else ClaimOutcome.END
+            if entry.dispatch_run_id != run_id:
+                return ClaimOutcome.END
+            self._settle_locked(entry, now)
+            return ClaimOutcome.ADMIT
 
-    def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
+    def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
+        with self._lock:
+            now = self.clock()
+            entry = self._waiting.get(task_id)
+            if entry is None or not entry.listed:
+                return 0, []
+            if entry.waiting:
+                del self._waiting[task_id]
+                return 1, []
+            entry.done_until = now + self.done_seconds
+            deleted = self._delete_dispatch_locked(str(entry.dispatch_run_id))
+            return 1, (self._wake_locked(now, dispatch_lease_seconds) if deleted else [])
+
+    def recover(
+        self,
+        dispatch_lease_seconds: float,
+        *,
+        slots: Collection[str] | None = None,
+        readmit_before: float | None = None,
+    ) -> list[Woken]:
         only = None if slots is None else set(slots)
         with self._lock:
             now = self.clock()
-            for waiter in self._waiting.values():
-                if only is not None and only.isdisjoint(waiter.slots):
-                    continue
-                if waiter.dispatch_run_id is not None and waiter.dispatch_expires_at <= now:
-                    for runs in self._leases.values():
-                        runs.pop(waiter.dispatch_run_id, None)
-                    waiter.dispatch_run_id = None
-            return self._wake_locked(now, dispatch_lease_seconds, only)
+            considered = [
+                entry
+                for entry in self._waiting.values()
+                if entry.listed and (only is None or not only.isdisjoint(entry.slots))
+            ]
+            for entry in considered:
+                if entry.dispatch_run_id is not None and entry.dispatch_expires_at <= now:
+                    self._delete_dispatch_locked(entry.dispatch_run_id)
+                    entry.dispatch_run_id = None
+            woken = []
+            if readmit_before is not None:
+                overdue = self._in_order(e for e in considered if e.waiting and e.first_deferred_at < readmit_before)
+                woken = [self._dispatch_locked(e, now, dispatch_lease_seconds, leases=False) for e in overdue]
+            return woken + self._wake_locked(now, dispatch_lease_seconds, only)
 
-    def _mark_waiting(self, doomed: Callable[[_WaiterEntry], bool], hold_seconds: float) -> list[Woken]:
-        mark = uuid.uuid4().hex
+    def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
         with self._lock:
             now = self.clock()
-            marked = sorted(
-                (w for w in self._waiting.values() if w.dispatch_run_id is None and doomed(w)),
-                key=lambda waiter: (waiter.first_deferred_at, waiter.parked_at, waiter.sequence),
-            )
-            for waiter in marked:
-                waiter.dispatch_run_id = mark
-                waiter.dispatch_expires_at = now + hold_seconds
-            return [Woken(waiter.task_id, mark, waiter.payload, waiter.task_name) for waiter in marked]
-
-    def expire_waiters(self, first_deferred_before: float, hold_seconds: float) -> list[Woken]:
-        return self._mark_waiting(lambda waiter: waiter.first_deferred_at < first_deferred_before, hold_seconds)
-
-    def drain(self, slot: str, hold_seconds: float) -> list[Woken]:
-        return self._mark_waiting(lambda waiter: slot in waiter.slots, hold_seconds)
-
-    def settle_published(self, published: Sequence[Woken], failed: Sequence[Woken] = ()) -> int:
-        deleted = 0
-        with self._lock:
-            for woken, done in ((published, True), (failed, False)):
-                for marked in woken:
-                    waiter = self._waiting.get(marked.task_id)
-                    if waiter is None or waiter.dispatch_run_id != marked.run_id:
-                        continue
-                    if done:
-                        del self._waiting[marked.task_id]
-                        deleted += len(waiter.slots)
-                    else:
-                        waiter.dispatch_run_id = None
-        return deleted
+            entries = self._in_order(e for e in self._waiting.values() if e.waiting and slot in e.slots)
+            return [self._dispatch_locked(entry, now, dispatch_lease_seconds, leases=False) for entry in entries]
 
     def waiters(self, slot: str | None = None) -> list[Waiter]:
         with self._lock:
             now = self.clock()
-            ordered = sorted(
-                self._waiting.values(), key=lambda waiter: (waiter.first_deferred_at, waiter.parked_at, waiter.sequence)
-            )
+            ordered = self._in_order(waiter for waiter in self._waiting.values() if waiter.listed)
             result: list[Waiter] = []
             for name in sorted({name for waiter in ordered for name in waiter.slots}):
                 if slot is not None and name != slot:
@@ -296,6 +325,10 @@ class MemoryStore(SlotStore):
                         renewed[run_id] = renewed.get(run_id, 0) + 1
         return renewed
 
+    def _delete_dispatch_locked(self, run_id: str) -> int:
+        """Delete the dispatch leases (never a claimed run's) of dispatch ``run_id``."""
+        return self._delete_locked(lambda run, lease: run == run_id and lease.holder == DISPATCH_HOLDER)
+
     def _delete_locked(self, doomed: Callable[[str, _LeaseEntry], bool]) -> int:
         deleted = 0
         for runs in self._leases.values():
@@ -318,8 +351,11 @@ class MemoryStore(SlotStore):
         return self._delete(lambda run, lease: lease.task_id == task_id)
 
     def sweep(self) -> int:
-        now = self.clock()
-        return self._delete(lambda run, lease: lease.expires_at <= now)
+        with self._lock:
+            now = self.clock()
+            for entry in [e for e in self._waiting.values() if e.done_until is not None and e.done_until <= now]:
+                del self._waiting[entry.task_id]
+            return self._delete_locked(lambda run, lease: lease.expires_at <= now)
 
     def status(self) -> list[SlotStatus]:
         with self._lock:
@@ -353,7 +389,7 @@ class MemoryStore(SlotStore):
         with self._lock:
             now = self.clock()
             # A slot with waiters (or dispatches) keeps its sentinel: it is in use.
-            waited = {slot for waiter in self._waiting.values() for slot in waiter.slots}
+            waited = {slot for waiter in self._waiting.values() if waiter.listed for slot in waiter.slots}
             doomed = sorted(
                 slot
                 for slot in self._limits
@@ -363,6 +399,10 @@ class MemoryStore(SlotStore):
                 for slot in doomed:
                     del self._limits[slot]
                     self._leases.pop(slot, None)
+                for entry in [
+                    e for e in self._waiting.values() if not e.listed and not set(doomed).isdisjoint(e.slots)
+                ]:
+                    del self._waiting[entry.task_id]
             return doomed
 
     def record_history(self, events: Sequence[HistoryEvent], keep_seconds: float, max_events: int) -> None:

@@ -27,17 +27,17 @@ from celery_caps.errors import StoreError
 from celery_caps.stores.base import (
     DISPATCH_HOLDER,
     PARK_ADMITTED,
+    PARK_FULL,
     PARK_LIST_FULL,
     PARK_PARKED,
-    PARK_PARKED_FIRST,
     PARK_ROOM,
+    PARK_WAITING,
     Admission,
-    Claimed,
+    ClaimOutcome,
     HistoryEvent,
     Lease,
     SlotStatus,
     SlotStore,
-    StandbyDispatch,
     Woken,
 )
 from tests.services import StoreKind, StoreTarget, own_status, require_service
@@ -1230,6 +1230,9 @@ def test_a_table_from_before_lease_details_keeps_working(tmp_path: Any, create_s
 
 
 # -- park and wake: the waiting list (stores with supports_parking) -----------------
+#
+# The entry states and the claim's decisions are those of SlotStore.claim's docstring and
+# docs/park.md; each test below names the row of that table it checks.
 
 DISPATCH_LEASE = 30.0
 
@@ -1240,50 +1243,51 @@ def parking_store(store: SlotStore) -> SlotStore:
     return store
 
 
-def park(store: SlotStore, slots: Mapping[str, int], task_id: str, first: float, max_waiters: int = 100) -> str:
+def park(
+    store: SlotStore,
+    slots: Mapping[str, int],
+    task_id: str,
+    first: float,
+    max_waiters: int = 100,
+    *,
+    with_payload: bool = True,
+) -> str:
+    """Park ``task_id`` (its payload: ``b"payload of <task id>"``, or none)."""
+    payload = f"payload of {task_id}".encode() if with_payload else None
     return store.park(
-        slots, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=f"payload of {task_id}".encode(),
+        slots, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=payload,
         first_deferred_at=first, max_waiters=max_waiters, task_name="t.parked",
     )  # fmt: skip
+
+
+def listed(store: SlotStore, slot: str) -> list[tuple[str, bool]]:
+    """``(task id, dispatched)`` of ``slot``'s waiting list, in order."""
+    return [(waiter.task_id, waiter.dispatched) for waiter in store.waiters(slot)]
+
+
+def dispatch_one(store: SlotStore, slot: str, task_id: str, lease: float = DISPATCH_LEASE) -> Woken:
+    """Park ``task_id`` behind a running task of ``slot`` (limit 1), release that task: the
+    waiter's dispatch, returned."""
+    running = admit(store, {slot: 1}, f"{task_id}-before")
+    assert park(store, {slot: 1}, task_id, 1.0) == PARK_PARKED
+    _, [woken] = store.release_and_wake(running, lease)
+    assert woken.task_id == task_id and not woken.readmit
+    return woken
 
 
 def test_park_admits_when_there_is_room_and_parks_when_full(store: SlotStore, prefix: str) -> None:
     store = parking_store(store)
     slot = f"{prefix}s"
     assert park(store, {slot: 1}, f"{prefix}a", 1.0) == PARK_ADMITTED
+    # Full, without a message to park: nothing is stored (the caller builds one and parks)
+    assert park(store, {slot: 1}, f"{prefix}b", 2.0, with_payload=False) == PARK_FULL
+    assert store.waiters(slot) == []
     assert park(store, {slot: 1}, f"{prefix}b", 2.0) == PARK_PARKED
-    # A duplicate of a parked task waits once.
-    assert park(store, {slot: 1}, f"{prefix}b", 2.0) == PARK_PARKED
-    assert [(w.task_id, w.position, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}b", 1, False)]
+    # A task that waits already changes nothing: its entry answers for it (room or not)
+    assert park(store, {slot: 1}, f"{prefix}b", 2.0) == PARK_WAITING
+    assert park(store, {slot: 1}, f"{prefix}b", 2.0, with_payload=False) == PARK_WAITING
+    assert listed(store, slot) == [(f"{prefix}b", False)]
     assert [lease.task_id for lease in store.leases(slot)] == [f"{prefix}a"]
-
-
-def test_park_reports_a_task_parked_first_in_one_of_its_lists_when_asked(store: SlotStore, prefix: str) -> None:
-    store = parking_store(store)
-    slot, tenant = f"{prefix}provider", f"{prefix}tenant:a"
-
-    def park_reporting(task_id: str, slots: Mapping[str, int], first: float) -> str:
-        return store.park(
-            slots, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=b"message", first_deferred_at=first,
-            max_waiters=100, task_name="t.parked", report_first=True,
-        )  # fmt: skip
-
-    # Given both slots held by running tasks, and nobody waiting
-    admit(store, {slot: 1}, f"{prefix}running")
-    admit(store, {tenant: 1}, f"{prefix}running-a")
-    # Then the first task parked in an empty list is reported first, the next ones not
-    assert park_reporting(f"{prefix}b", {slot: 1}, 1.0) == PARK_PARKED_FIRST
-    assert park_reporting(f"{prefix}c", {slot: 1}, 2.0) == PARK_PARKED
-    # ... nor a duplicate of the first
-    assert park_reporting(f"{prefix}b", {slot: 1}, 1.0) == PARK_PARKED
-    # A task of two slots is first if one of its lists was empty (the tenant's, here)
-    assert park_reporting(f"{prefix}d", {slot: 1, tenant: 1}, 3.0) == PARK_PARKED_FIRST
-    assert park_reporting(f"{prefix}e", {slot: 1, tenant: 1}, 4.0) == PARK_PARKED
-    # Unasked, a first park is reported as parked, like any other
-    other = f"{prefix}other"
-    admit(store, {other: 1}, f"{prefix}running-other")
-    assert park(store, {other: 1}, f"{prefix}f", 5.0) == PARK_PARKED
-    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}{name}" for name in "bcde"]
 
 
 def test_a_task_being_sent_parks_only_when_full_and_never_takes_a_slot(store: SlotStore, prefix: str) -> None:
@@ -1325,13 +1329,16 @@ def test_a_release_hands_the_slot_to_the_oldest_waiter_which_claims_it(store: Sl
     assert deleted == 1
     [dispatched] = woken
     assert (dispatched.task_id, dispatched.payload) == (f"{prefix}early", f"payload of {prefix}early".encode())
+    assert not dispatched.readmit
     [lease] = store.leases(slot)
-    assert (lease.task_id, lease.run_id) == (f"{prefix}early", dispatched.run_id)
+    assert (lease.task_id, lease.run_id, lease.holder) == (f"{prefix}early", dispatched.run_id, DISPATCH_HOLDER)
     assert lease.expires_in <= DISPATCH_LEASE
     # ... no newcomer can take it in between
     assert refused_slots(store, {slot: 1}, f"{prefix}newcomer") == {slot}
-    # ... and the arriving task claims it: a full lease, held by its worker, out of the waiting list
-    assert store.claim(f"{prefix}early", dispatched.run_id, "w2@host/9", LONG_LEASE) == 1
+    # ... and (claim row 1) the arriving copy claims it: a full lease held by its worker, and the
+    # task leaves the list
+    claimed = store.claim(f"{prefix}early", dispatched.run_id, "w2@host/9", LONG_LEASE)
+    assert claimed is ClaimOutcome.RUN
     [lease] = store.leases(slot)
     assert (lease.holder, lease.run_id) == ("w2@host/9", dispatched.run_id)
     assert lease.expires_in > DISPATCH_LEASE
@@ -1351,10 +1358,7 @@ def test_a_waiter_with_a_full_slot_is_passed_over_not_blocking_the_rest(store: S
     _, woken = store.release_and_wake(provider_run, DISPATCH_LEASE)
 
     assert [w.task_id for w in woken] == [f"{prefix}provider-only"]
-    assert [(w.task_id, w.dispatched) for w in store.waiters(provider)] == [
-        (f"{prefix}both", False),
-        (f"{prefix}provider-only", True),
-    ]
+    assert listed(store, provider) == [(f"{prefix}both", False), (f"{prefix}provider-only", True)]
 
 
 def test_no_key_starves_under_a_global_cap_with_uneven_load(store: SlotStore, prefix: str) -> None:
@@ -1364,8 +1368,10 @@ def test_no_key_starves_under_a_global_cap_with_uneven_load(store: SlotStore, pr
     provider = f"{prefix}provider"
     load = {"a": 12, "b": 3, "c": 1}  # uneven: key a floods the waiting list first
     tasks = [(key, number) for key in load for number in range(load[key])]
-    runs = [admit(store, {provider: 2, f"{prefix}tenant:x": 1}, f"{prefix}x{n}") for n in range(1)]
-    runs.append(admit(store, {provider: 2}, f"{prefix}filler"))
+    runs = [
+        admit(store, {provider: 2, f"{prefix}tenant:x": 1}, f"{prefix}x0"),
+        admit(store, {provider: 2}, f"{prefix}f"),
+    ]
     for order, (key, number) in enumerate(tasks):
         slots = {provider: 2, f"{prefix}tenant:{key}": 1}
         assert park(store, slots, f"{prefix}{key}{number}", float(order)) == PARK_PARKED
@@ -1374,7 +1380,7 @@ def test_no_key_starves_under_a_global_cap_with_uneven_load(store: SlotStore, pr
     while running:
         _, woken = store.release_and_wake(running.pop(0), DISPATCH_LEASE)
         for waiter in woken:
-            assert store.claim(waiter.task_id, waiter.run_id, HOLDER, LONG_LEASE) == 2
+            assert store.claim(waiter.task_id, waiter.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
             served.append(waiter.task_id.removeprefix(prefix))
             running.append(waiter.run_id)
     # Every task ran; within a key in FIFO order; the quiet keys were served long before key a ended.
@@ -1383,135 +1389,197 @@ def test_no_key_starves_under_a_global_cap_with_uneven_load(store: SlotStore, pr
         assert [s for s in served if s[0] == key] == [f"{key}{n}" for n in range(load[key])]
     # (key a holds one slot of two at a time: the others alternate with it, not wait for it)
     assert max(served.index("c0"), served.index("b2")) < served.index("a5"), served
-    assert store.waiters() == [] or all(not w.slot.startswith(prefix) for w in store.waiters())
+    assert [w for w in store.waiters() if w.slot.startswith(prefix)] == []
 
 
-def test_claiming_a_dispatch_tells_whether_tasks_wait_behind_it(store: SlotStore, prefix: str) -> None:
-    # Given a running task with two tasks waiting behind it
-    slot = f"{prefix}s"
-    running = admit(store, {slot: 1}, f"{prefix}running")
-    for order, task in enumerate(("a", "b")):
-        assert park(store, {slot: 1}, f"{prefix}{task}", float(order + 1)) == PARK_PARKED
-
-    # When the first waiter is woken and claims its dispatch
-    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
-    claimed = store.claim_dispatch(woken.task_id, woken.run_id, HOLDER, LONG_LEASE)
-
-    # Then it holds its slot, and a store with standby says a task waits behind it
-    assert claimed == Claimed(1, waiters_behind=store.supports_standby)
-    assert [lease.task_id for lease in store.leases(slot)] == [f"{prefix}a"]
-    # ... and the last one claims with nobody behind it
-    _, [last] = store.release_and_wake(woken.run_id, DISPATCH_LEASE)
-    assert store.claim_dispatch(last.task_id, last.run_id, HOLDER, LONG_LEASE) == Claimed(1, False)
-    assert store.waiters(slot) == []
-    # A dispatch that is gone claims nothing
-    assert store.claim_dispatch(last.task_id, "no-such-run", HOLDER, LONG_LEASE) == Claimed(0, False)
-
-
-def test_an_unclaimed_dispatch_is_dispatched_again_after_it_expires(store: SlotStore, prefix: str) -> None:
-    store = parking_store(store)
-    slot = f"{prefix}s"
-    run = admit(store, {slot: 1}, f"{prefix}running")
-    park(store, {slot: 1}, f"{prefix}waiter", 1.0)
-    # Given a releaser that dispatched the waiter and died before publishing it
-    _, [lost] = store.release_and_wake(run, SHORT_LEASE)
-    # (wake is scoped to this test's slot: a shared server may hold other test runs' waiters)
-    assert store.wake(DISPATCH_LEASE, [slot]) == []  # not expired yet: nothing to do
-    wait_until_expired(store, [lost.run_id])
-
-    # When the sweep runs
-    store.sweep()
-    [again] = store.wake(DISPATCH_LEASE, [slot])
-
-    # Then it is dispatched again, with new leases; the old dispatch cannot be claimed, and its
-    # copy (a late message) learns that another run has the task: the entry stays for it
-    assert again.task_id == f"{prefix}waiter" and again.run_id != lost.run_id
-    assert store.claim_dispatch(f"{prefix}waiter", lost.run_id, HOLDER, LONG_LEASE) == Claimed(
-        0, dispatched_elsewhere=True
-    )
-    assert [lease.run_id for lease in store.leases(slot)] == [again.run_id]
-    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}waiter", True)]
-    # ... whose copy claims it and takes the task off the list
-    assert store.claim_dispatch(f"{prefix}waiter", again.run_id, HOLDER, LONG_LEASE).leases == 1
-    assert store.waiters(slot) == []
-
-
-def test_a_copy_whose_dispatch_expired_takes_the_task_off_the_list_unless_it_is_dispatched_again(
+def test_a_second_copy_of_a_claimed_dispatch_ends_unless_the_broker_redelivered_it(
     store: SlotStore, prefix: str
 ) -> None:
+    # Claim row 2: the dispatch's leases are live and held by the run of the copy that claimed first.
     store = parking_store(store)
     slot = f"{prefix}s"
-    run = admit(store, {slot: 1}, f"{prefix}running")
-    park(store, {slot: 1}, f"{prefix}waiter", 1.0)
-    _, [woken] = store.release_and_wake(run, SHORT_LEASE)
-    wait_until_expired(store, [woken.run_id])
-    # Given the sweep put the waiter back to waiting (no room for it now: another task runs)
-    admit(store, {slot: 1}, f"{prefix}other")
+    woken = dispatch_one(store, slot, f"{prefix}t")
+    assert store.claim(woken.task_id, woken.run_id, "w1@h/1", LONG_LEASE) is ClaimOutcome.RUN
+
+    # A duplicate (a copy of the same dispatch) ends: the live run answers for the task
+    assert store.claim(woken.task_id, woken.run_id, "w2@h/2", LONG_LEASE) is ClaimOutcome.END
+    # ... unless the broker redelivered it (its first run may have died): it goes through admission
+    claimed = store.claim(woken.task_id, woken.run_id, "w2@h/2", LONG_LEASE, redelivered=True)
+    assert claimed is ClaimOutcome.ADMIT
+    # Neither decision touched the run's lease
+    [lease] = store.leases(slot)
+    assert (lease.run_id, lease.holder) == (woken.run_id, "w1@h/1")
+
+
+def test_a_copy_of_an_unknown_dispatch_goes_through_admission(store: SlotStore, prefix: str) -> None:
+    # Claim row 3, no entry: nobody else answers for the task (a copy whose dispatch was taken when
+    # sent and expired, a redelivered copy whose run finished): it is admitted as usual.
+    store = parking_store(store)
+    task = f"{prefix}t"
+    assert store.claim(task, new_run_id(), HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
+    assert store.claim(task, new_run_id(), HOLDER, LONG_LEASE, redelivered=True) is ClaimOutcome.ADMIT
+    assert own_leases(store, prefix) == []
+
+
+def test_a_copy_whose_task_waits_or_was_dispatched_to_another_run_ends(store: SlotStore, prefix: str) -> None:
+    # Claim row 3, an entry waiting or dispatched to another run: the list answers for the task.
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    woken = dispatch_one(store, slot, f"{prefix}t")
+    stale = new_run_id()
+    # dispatched to another run (live): a copy of a stale dispatch ends, redelivered or not
+    for redelivered in (False, True):
+        assert store.claim(woken.task_id, stale, HOLDER, LONG_LEASE, redelivered=redelivered) is ClaimOutcome.END
+    assert listed(store, slot) == [(woken.task_id, True)]
+    # waiting: parked again behind a running task, any dispatch's copy ends
+    store.forget(woken.task_id, DISPATCH_LEASE)
     store.sweep()
-    assert store.wake(DISPATCH_LEASE, [slot]) == []
-    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}waiter", False)]
+    other = f"{prefix}u"
+    running = admit(store, {slot: 1}, f"{other}-before")
+    assert park(store, {slot: 1}, other, 5.0) == PARK_PARKED
+    assert store.claim(other, stale, HOLDER, LONG_LEASE) is ClaimOutcome.END
+    assert listed(store, slot) == [(other, False)]
+    assert [lease.run_id for lease in store.leases(slot)] == [running]
 
-    # When its late copy arrives: nothing to claim, and no other run has the task
-    claimed = store.claim_dispatch(f"{prefix}waiter", woken.run_id, HOLDER, LONG_LEASE)
 
-    # Then it leaves the list (the copy is admitted as usual: it must not be dispatched again)
-    assert claimed == Claimed(0)
+def test_a_copy_whose_dispatch_expired_takes_the_task_off_the_list_and_goes_through_admission(
+    store: SlotStore, prefix: str
+) -> None:
+    # Claim row 3, the entry dispatched to this copy's run with no live lease left.
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    woken = dispatch_one(store, slot, f"{prefix}t", lease=SHORT_LEASE)
+    wait_until_expired(store, [woken.run_id])
+
+    assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
+
+    # Its entry is gone (dispatched once: no tombstone), and so is the expired dispatch lease
     assert store.waiters(slot) == []
+    assert own_leases(store, prefix) == []
+    # ... so a later copy of the same dispatch (a redelivery) is admitted as usual too
+    assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
 
 
-def test_waiting_lists_are_bounded_expired_and_drained(store: SlotStore, prefix: str) -> None:
+def test_an_unclaimed_dispatch_is_dispatched_again_and_the_late_copy_ends_even_after_the_run(
+    store: SlotStore, prefix: str
+) -> None:
+    # Recovery, then claim rows 1 and 3 with a tombstone: the prefetch duplicate.
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    # Given a dispatch whose copy waits somewhere (a prefetch buffer) past its deadline
+    first = dispatch_one(store, slot, f"{prefix}t", lease=SHORT_LEASE)
+    assert store.recover(DISPATCH_LEASE, slots=[slot]) == []  # not expired yet: nothing to do
+    wait_until_expired(store, [first.run_id])
+
+    # When recovery runs, the task is dispatched again, under a new run
+    [again] = store.recover(DISPATCH_LEASE, slots=[slot])
+    assert (again.task_id, again.payload) == (first.task_id, first.payload)
+    assert again.run_id != first.run_id and not again.readmit
+    assert [lease.run_id for lease in store.leases(slot)] == [again.run_id]
+    # ... the old copy, arriving now, ends (the entry is dispatched to another run)
+    assert store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
+    # ... the new copy claims it; the entry, dispatched twice, stays as a tombstone (not listed)
+    assert store.claim(again.task_id, again.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert store.waiters(slot) == []
+    # ... so once that run is over, the old copy still ends, unless the broker redelivered it
+    assert store.release(again.run_id) == 1
+    assert store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
+    claimed = store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE, redelivered=True)
+    assert claimed is ClaimOutcome.ADMIT
+    # A new copy of the task without a dispatch parks afresh (the tombstone gives way)
+    admit(store, {slot: 1}, f"{prefix}busy")
+    assert park(store, {slot: 1}, first.task_id, 9.0) == PARK_PARKED
+    assert listed(store, slot) == [(first.task_id, False)]
+
+
+def test_the_sweep_deletes_tombstones_once_they_are_old(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    store.done_seconds = SHORT_LEASE
+    slot = f"{prefix}s"
+    first = dispatch_one(store, slot, f"{prefix}t", lease=SHORT_LEASE)
+    wait_until_expired(store, [first.run_id])
+    [again] = store.recover(DISPATCH_LEASE, slots=[slot])
+    assert store.claim(again.task_id, again.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert store.release(again.run_id) == 1
+    assert store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
+
+    def tombstone_gone() -> bool:
+        store.sweep()
+        return store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
+
+    wait_until(tombstone_gone, "the sweep deleted the tombstone")
+
+
+def test_waiting_lists_are_bounded(store: SlotStore, prefix: str) -> None:
     store = parking_store(store)
     slot = f"{prefix}s"
     admit(store, {slot: 1}, f"{prefix}running")
     assert park(store, {slot: 1}, f"{prefix}w1", 1.0, max_waiters=2) == PARK_PARKED
     assert park(store, {slot: 1}, f"{prefix}w2", 5.0, max_waiters=2) == PARK_PARKED
     assert park(store, {slot: 1}, f"{prefix}w3", 6.0, max_waiters=2) == PARK_LIST_FULL
-    [expired] = store.expire_waiters(2.0, LONG_LEASE)
-    assert (expired.task_id, expired.payload) == (f"{prefix}w1", f"payload of {prefix}w1".encode())
-    assert store.settle_published([expired]) == 1
-    [drained] = store.drain(slot, LONG_LEASE)
-    assert drained.task_id == f"{prefix}w2"
-    assert store.settle_published([drained]) == 1
-    assert store.waiters(slot) == []
+    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}w1", f"{prefix}w2"]
 
 
-def test_waiters_leave_the_list_only_once_their_message_is_published(store: SlotStore, prefix: str) -> None:
-    # At least once: expire_waiters and drain mark waiters; only settle_published deletes them.
+def test_waiters_past_the_maximum_wait_are_readmitted_and_leave_the_list_when_their_copy_claims(
+    store: SlotStore, prefix: str
+) -> None:
     store = parking_store(store)
     slot = f"{prefix}s"
     admit(store, {slot: 1}, f"{prefix}running")
     park(store, {slot: 1}, f"{prefix}old", 1.0)
     park(store, {slot: 1}, f"{prefix}young", 5.0)
 
-    # Given the oldest waiter taken off the list for publishing (it waited too long)
-    [taken] = store.expire_waiters(2.0, LONG_LEASE)
-    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
-        (f"{prefix}old", True),
-        (f"{prefix}young", False),
-    ]
-    # ... it is not taken twice, nor dispatched meanwhile
-    assert store.expire_waiters(2.0, LONG_LEASE) == []
-    assert [w.task_id for w in store.drain(slot, LONG_LEASE)] == [f"{prefix}young"]
+    # When recovery readmits the waiters first deferred before 2.0 (the slot stays full)
+    [readmitted] = store.recover(DISPATCH_LEASE, slots=[slot], readmit_before=2.0)
 
-    # When its publish failed, it waits again at its place
-    assert store.settle_published([], [taken]) == 0
-    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
-        (f"{prefix}old", False),
-        (f"{prefix}young", True),
-    ]
+    # Then the old one is dispatched without leases, and stays listed until its copy claims
+    assert (readmitted.task_id, readmitted.readmit) == (f"{prefix}old", True)
+    assert readmitted.payload == f"payload of {prefix}old".encode()
+    assert [lease.task_id for lease in own_leases(store, prefix)] == [f"{prefix}running"]
+    assert listed(store, slot) == [(f"{prefix}old", True), (f"{prefix}young", False)]
+    assert store.recover(DISPATCH_LEASE, slots=[slot], readmit_before=2.0) == []  # not twice
+    # ... and its copy, claiming, takes it off the list and goes through admission
+    assert store.claim(readmitted.task_id, readmitted.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
+    assert listed(store, slot) == [(f"{prefix}young", False)]
 
-    # ... and when the publisher died before settling, its mark expires: the sweep's wake puts it
-    # back to waiting, and a late settle of the stale mark deletes nothing
-    [again] = store.expire_waiters(2.0, SHORT_LEASE)
-    assert again.task_id == f"{prefix}old" and again.run_id != taken.run_id
 
-    def old_waits_again() -> bool:
-        assert store.wake(DISPATCH_LEASE, [slot]) == []  # the slot stays full
-        return [(w.task_id, w.dispatched) for w in store.waiters(slot)][:1] == [(f"{prefix}old", False)]
+def test_a_readmit_whose_copy_is_lost_is_readmitted_again(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    admit(store, {slot: 1}, f"{prefix}running")
+    park(store, {slot: 1}, f"{prefix}old", 1.0)
+    [lost] = store.recover(SHORT_LEASE, slots=[slot], readmit_before=2.0)
 
-    wait_until(old_waits_again, "the expired mark put the waiter back")
-    assert store.settle_published([again]) == 0
-    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}old", f"{prefix}young"]
+    def readmitted_again() -> list[Woken]:
+        return store.recover(DISPATCH_LEASE, slots=[slot], readmit_before=2.0)
+
+    deadline = time.monotonic() + 10
+    again: list[Woken] = []
+    while not again and time.monotonic() < deadline:
+        time.sleep(0.05)
+        again = readmitted_again()
+    assert [(w.task_id, w.readmit) for w in again] == [(f"{prefix}old", True)]
+    assert again[0].run_id != lost.run_id
+    assert store.claim(lost.task_id, lost.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
+
+
+def test_an_operator_readmits_a_slots_waiters(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot, other = f"{prefix}s", f"{prefix}other"
+    admit(store, {slot: 1, other: 1}, f"{prefix}running")
+    park(store, {slot: 1}, f"{prefix}b", 2.0)
+    park(store, {slot: 1}, f"{prefix}a", 1.0)
+    park(store, {other: 1}, f"{prefix}c", 3.0)
+
+    readmitted = store.readmit(slot, DISPATCH_LEASE)
+
+    assert [(w.task_id, w.readmit) for w in readmitted] == [(f"{prefix}a", True), (f"{prefix}b", True)]
+    assert listed(store, slot) == [(f"{prefix}a", True), (f"{prefix}b", True)]
+    assert listed(store, other) == [(f"{prefix}c", False)]
+    assert store.readmit(slot, DISPATCH_LEASE) == []
+    for woken in readmitted:
+        assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
+    assert store.waiters(slot) == []
 
 
 def test_a_dead_holders_or_a_revoked_tasks_release_hands_the_slot_to_the_next_waiter(
@@ -1558,12 +1626,29 @@ def test_forget_takes_a_revoked_task_off_the_waiting_list_and_frees_its_dispatch
     assert [(lease.task_id, lease.holder) for lease in own_leases(store, prefix)] == [
         (f"{prefix}next", DISPATCH_HOLDER)
     ]
-    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}next", True)]
+    assert listed(store, slot) == [(f"{prefix}next", True)]
+    # ... and the copy of its dispatch, arriving after all, ends (a tombstone answers for it)
+    assert store.claim(dispatched.task_id, dispatched.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
 
-    # ... and it never touches the lease of a run
-    assert store.claim(f"{prefix}next", woken[0].run_id, HOLDER, LONG_LEASE) == 1
+    # It never touches the lease of a run
+    assert store.claim(f"{prefix}next", woken[0].run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
     assert store.forget(f"{prefix}next", DISPATCH_LEASE) == (0, [])
     assert [(lease.task_id, lease.holder) for lease in own_leases(store, prefix)] == [(f"{prefix}next", HOLDER)]
+
+
+def test_recovery_hands_room_freed_by_expired_leases_to_waiters(store: SlotStore, prefix: str) -> None:
+    # A crashed worker never releases: its lease expires, and recovery (not a release) wakes.
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    crashed = admit(store, {slot: 1}, f"{prefix}crashed", lease_seconds=SHORT_LEASE)
+    park(store, {slot: 1}, f"{prefix}waiter", 1.0)
+    assert store.recover(DISPATCH_LEASE, slots=[slot]) == []
+    wait_until_expired(store, [crashed])
+
+    [woken] = store.recover(DISPATCH_LEASE, slots=[slot])
+
+    assert woken.task_id == f"{prefix}waiter"
+    assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
 
 
 def test_prune_keeps_the_slots_that_parked_tasks_wait_for(store: SlotStore, prefix: str) -> None:
@@ -1585,7 +1670,7 @@ def test_prune_keeps_the_slots_that_parked_tasks_wait_for(store: SlotStore, pref
 
     # Then the slots with parked tasks keep their sentinels, and their waiters are still served
     assert set(own_status(store, prefix)) == {waited, dispatched}
-    woken = store.wake(DISPATCH_LEASE, [waited, dispatched])
+    woken = store.recover(DISPATCH_LEASE, slots=[waited, dispatched])
     assert sorted(w.task_id for w in woken) == [f"{prefix}dispatched", f"{prefix}waiter"]
 
 
@@ -1613,233 +1698,15 @@ def test_a_release_of_several_slots_serves_the_waiters_of_all_of_them_oldest_fir
         (first_slot, f"{prefix}a-only"),
         (second_slot, f"{prefix}b-only"),
     }
-    assert [(w.task_id, w.dispatched) for w in store.waiters(first_slot)] == [
-        (f"{prefix}a-only", True),
-        (f"{prefix}both-late", False),
-    ]
+    assert listed(store, first_slot) == [(f"{prefix}a-only", True), (f"{prefix}both-late", False)]
 
     # When both dispatched tasks claim and finish, the waiter of both slots gets both at once
     for waiter in woken:
-        assert store.claim(waiter.task_id, waiter.run_id, HOLDER, LONG_LEASE) == 1
+        assert store.claim(waiter.task_id, waiter.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
     _, first_release = store.release_and_wake(woken[0].run_id, DISPATCH_LEASE)
     assert first_release == []  # its other slot is still held
     _, [last] = store.release_and_wake(woken[1].run_id, DISPATCH_LEASE)
     assert last.task_id == f"{prefix}both-late"
     assert sorted(lease.slot for lease in store.leases() if lease.run_id == last.run_id) == [first_slot, second_slot]
-    assert store.claim(last.task_id, last.run_id, HOLDER, LONG_LEASE) == 2
+    assert store.claim(last.task_id, last.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
     assert [w for w in store.waiters() if w.slot.startswith(prefix)] == []
-
-
-# -- standby: a waiter whose copy a pool process holds, signalled by the release --------
-
-
-def standby_store(store: SlotStore) -> SlotStore:
-    if not store.supports_standby:
-        pytest.skip(f"{type(store).__name__} cannot signal a waiting process (waiters are published when woken)")
-    return store
-
-
-def one_on_standby(store: SlotStore, prefix: str, *behind: str) -> tuple[str, str, Woken]:
-    """A slot of limit 1 held by a running task, the waiter ``next`` on standby, and ``behind``
-    parked after it.  Returns the slot, the running run id and the standby.  (The bound in all
-    is store-wide, and other tests' standbys count: a large one.)"""
-    store = standby_store(store)
-    slot = f"{prefix}s"
-    running = admit(store, {slot: 1}, f"{prefix}running")
-    for order, task in enumerate(("next", *behind)):
-        assert park(store, {slot: 1}, f"{prefix}{task}", float(order + 1)) == PARK_PARKED
-    [standby] = store.stand_by([slot], 1, 10_000, 30.0)
-    assert standby.task_id == f"{prefix}next"
-    return slot, running, standby
-
-
-def wait_on_standby(store: SlotStore, standby: Woken) -> tuple[threading.Thread, list[StandbyDispatch | None]]:
-    """A process waiting (up to 20 s, as holder ``w2@host/9``) for ``standby``, in a thread,
-    waiting already when this returns; what ``await_standby`` returns lands in the list."""
-    signalled: list[StandbyDispatch | None] = []
-
-    def wait() -> None:
-        signalled.append(store.await_standby(standby.task_id, standby.run_id, 20, "w2@host/9", LONG_LEASE))
-
-    waiting = threading.Thread(target=wait, daemon=True)  # (a wait that hangs must not hold the run)
-    waiting.start()
-    time.sleep(0.3)
-    assert waiting.is_alive()
-    return waiting, signalled
-
-
-def test_stand_by_takes_the_oldest_waiters_within_its_bounds(store: SlotStore, prefix: str) -> None:
-    store = standby_store(store)
-    slot, other = f"{prefix}s", f"{prefix}other"
-    admit(store, {slot: 2}, f"{prefix}r1")
-    admit(store, {slot: 2}, f"{prefix}r2")
-    admit(store, {other: 1}, f"{prefix}r3")
-    for number in range(4):
-        assert park(store, {slot: 2}, f"{prefix}w{number}", float(number)) == PARK_PARKED
-    assert park(store, {other: 1}, f"{prefix}o", 0.5) == PARK_PARKED
-
-    # One per slot: the oldest waiter; asking again takes no more
-    [first] = store.stand_by([slot], 1, 10_000, 30.0)
-    assert (first.task_id, first.payload) == (f"{prefix}w0", f"payload of {prefix}w0".encode())
-    assert store.stand_by([slot], 1, 10_000, 30.0) == []
-    # More per slot than its limit: the limit bounds it (2 for this slot)
-    assert [w.task_id for w in store.stand_by([slot], 5, 10_000, 30.0)] == [f"{prefix}w1"]
-    # The bound in all (store-wide: other tests' standbys count too): two standbys exist at
-    # least, so a bound of 2 takes none for the other slot; a larger one takes its waiter
-    assert store.stand_by([other], 1, 2, 30.0) == []
-    assert [w.task_id for w in store.stand_by([other], 1, 10_000, 30.0)] == [f"{prefix}o"]
-    # Standing by changes nothing in the list: same order, nothing dispatched
-    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
-        (f"{prefix}w{number}", False) for number in range(4)
-    ]
-
-
-def test_a_release_signals_the_waiting_standby_instead_of_handing_it_back_to_publish(
-    store: SlotStore, prefix: str
-) -> None:
-    slot, running, standby = one_on_standby(store, prefix, "later")
-
-    # Given a process waiting for the standby
-    waiting, signalled = wait_on_standby(store, standby)
-
-    # When the running task releases
-    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
-
-    # Then the waiter is dispatched in its order, marked as signalled, and the waiting
-    # process gets its leases claimed: its holder, a full lease
-    assert (woken.task_id, woken.standby) == (f"{prefix}next", True)
-    waiting.join(10)
-    assert signalled == [StandbyDispatch(woken.run_id, claimed=True)]
-    [lease] = store.leases(slot)
-    assert (lease.run_id, lease.holder) == (woken.run_id, "w2@host/9")
-    assert lease.expires_in > DISPATCH_LEASE
-    # ... and it stays in the list (dispatched, for the sweep should that process die) until it claims
-    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
-        (f"{prefix}next", True),
-        (f"{prefix}later", False),
-    ]
-    assert store.claim(woken.task_id, woken.run_id, "w2@host/9", LONG_LEASE) == 1
-    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}later"]
-    # The next release hands over through the broker: "later" has no standby
-    _, [after] = store.release_and_wake(woken.run_id, DISPATCH_LEASE)
-    assert (after.task_id, after.standby) == (f"{prefix}later", False)
-
-
-def test_a_handed_over_task_leaving_the_list_takes_its_standby_record_with_it(store: SlotStore, prefix: str) -> None:
-    # (Left to expire, the records of a busy fleet's hand-overs piled up, and every stand_by
-    # scanned them.)
-    slot, running, standby = one_on_standby(store, prefix)
-    waiting, signalled = wait_on_standby(store, standby)
-    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
-    waiting.join(10)
-    assert signalled == [StandbyDispatch(woken.run_id, claimed=True)]
-    # The taken record stays while the task is listed (the sweep's and a late copy's business)
-    assert standby.task_id in {record.task_id for record in store.standbys()}
-
-    # When its process takes the task off the list, as a worker does once the task runs
-    assert store.settle_published([Woken(woken.task_id, woken.run_id, b"")]) == 1
-
-    # Then its standby record is gone with it
-    assert standby.task_id not in {record.task_id for record in store.standbys()}
-    assert store.waiters(slot) == []
-
-
-def test_a_copy_that_claims_after_its_standby_was_taken_takes_the_record_with_it(store: SlotStore, prefix: str) -> None:
-    _slot, _running, standby = one_on_standby(store, prefix)
-    _, [woken] = store.release_task_and_wake(f"{prefix}running", DISPATCH_LEASE)
-    assert store.await_standby(standby.task_id, standby.run_id, 0, HOLDER, LONG_LEASE) == StandbyDispatch(
-        woken.run_id, claimed=False
-    )
-
-    assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) == 1
-
-    assert standby.task_id not in {record.task_id for record in store.standbys()}
-
-
-def test_a_standby_that_times_out_ends_and_its_waiter_keeps_its_place(store: SlotStore, prefix: str) -> None:
-    slot, running, standby = one_on_standby(store, prefix)
-
-    assert store.await_standby(standby.task_id, standby.run_id, 0.2, HOLDER, LONG_LEASE) is None
-
-    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(f"{prefix}next", False)]
-    # Its standby is over: the release hands it back to publish
-    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
-    assert (woken.task_id, woken.standby) == (f"{prefix}next", False)
-    # ... and a new standby can be taken for the waiter behind
-    assert park(store, {slot: 1}, f"{prefix}last", 2.0) == PARK_PARKED
-    assert [w.task_id for w in store.stand_by([slot], 1, 10_000, 30.0)] == [f"{prefix}last"]
-
-
-def test_a_standby_process_waits_no_longer_than_its_standby_lives(store: SlotStore, prefix: str) -> None:
-    """No release takes an expired standby (it hands the waiter back to publish instead): a
-    process never waits on one.  A copy that arrives late ends at once; one that waits ends when
-    the standby expires, not at its own (longer) timeout."""
-    store = standby_store(store)
-    slot = f"{prefix}s"
-    running = admit(store, {slot: 1}, f"{prefix}running")
-    assert park(store, {slot: 1}, f"{prefix}late", 1.0) == PARK_PARKED
-    assert park(store, {slot: 1}, f"{prefix}next", 2.0) == PARK_PARKED
-
-    # A copy arriving after its standby expired (held 0.2 s) does not wait its 20 s
-    [late] = store.stand_by([slot], 1, 10_000, 0.2)
-    assert late.task_id == f"{prefix}late"
-    time.sleep(0.5)
-    started = time.monotonic()
-    assert store.await_standby(late.task_id, late.run_id, 20, HOLDER, LONG_LEASE) is None
-    assert time.monotonic() - started < 2, "the late copy waited on an expired standby"
-
-    # A copy waiting when its standby (held 1.5 s) expires stops then
-    [standby] = store.stand_by([slot], 1, 10_000, 1.5)
-    assert standby.task_id == f"{prefix}late"
-    started = time.monotonic()
-    assert store.await_standby(standby.task_id, standby.run_id, 20, HOLDER, LONG_LEASE) is None
-    waited = time.monotonic() - started
-    assert 0.5 < waited < 5, f"waited {waited:.1f} s for a standby of 1.5 s"
-
-    # The waiters keep their places, and the release hands the first back to publish
-    assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [
-        (f"{prefix}late", False),
-        (f"{prefix}next", False),
-    ]
-    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
-    assert (woken.task_id, woken.standby) == (f"{prefix}late", False)
-
-
-def test_forgetting_a_task_on_standby_ends_its_standby_and_stops_its_waiting_process_at_once(
-    store: SlotStore, prefix: str
-) -> None:
-    slot, running, standby = one_on_standby(store, prefix, "later")
-
-    # Given a process waiting for the standby, for up to 20 s
-    waiting, signalled = wait_on_standby(store, standby)
-
-    # When the task is forgotten (revoked while it waits)
-    assert store.forget(standby.task_id, DISPATCH_LEASE) == (1, [])
-
-    # Then the waiting process returns None now, not when its 20 s are over
-    waiting.join(5)
-    assert not waiting.is_alive(), "the standby's process still waits after its task was forgotten"
-    assert signalled == [None]
-    # ... its standby is gone (it no longer counts against the bound), and the slot goes to the
-    # waiter behind it, through the broker (that one has no standby)
-    assert standby.task_id not in {record.task_id for record in store.standbys()}
-    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
-    assert (woken.task_id, woken.standby) == (f"{prefix}later", False)
-    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}later"]
-
-
-def test_a_standby_taken_before_its_process_waits_gets_its_dispatch_and_a_stale_copy_gets_none(
-    store: SlotStore, prefix: str
-) -> None:
-    _slot, running, standby = one_on_standby(store, prefix)
-    # A release through the generic transaction (a revoke) takes it while nobody listens
-    _, [woken] = store.release_task_and_wake(f"{prefix}running", DISPATCH_LEASE)
-    assert woken.standby and running
-
-    # The copy arriving late still learns its dispatch (a dispatch lease, to claim), at once
-    assert store.await_standby(standby.task_id, standby.run_id, 0, HOLDER, LONG_LEASE) == StandbyDispatch(
-        woken.run_id, claimed=False
-    )
-    assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) == 1
-    # A copy with another mark (a standby that was replaced) is not this one's
-    assert store.await_standby(standby.task_id, "another-mark", 0) is None

@@ -1,0 +1,605 @@
+"""Park and wake: the default strategy for a task whose caps are full (``caps_strategy = "park"``).
+
+A task that finds its slots full waits in the store's *waiting list* instead of
+going back to the broker, and a release hands the room it frees straight to the
+oldest waiter.  This module is the whole protocol, in the order a task lives it;
+``docs/park.md`` has its state table (who answers for a task at each step).
+
+1. **Arrival.**  A copy of a task reaches a worker process (:func:`decide`).  A copy
+   that carries a dispatch header first *claims* its dispatch (``SlotStore.claim``);
+   the store answers RUN, END (someone else answers for the task) or ADMIT.  Then
+   admission parks or admits in one atomic step (``SlotStore.park``): the task runs,
+   or waits in the list, or ends because it waits there already.
+2. **Parked.**  The entry was written before the copy ends (``Ignore``, after which
+   Celery acknowledges it): a crash in between leaves both, and the copy that comes
+   back finds its entry and ends.
+3. **Release and wake.**  A run's release deletes its leases and, in the same store
+   transaction, *dispatches* the oldest waiters that fit: their slots are taken
+   under a fresh run id (dispatch leases) and their entries marked dispatched with
+   a deadline.  Then the releasing process publishes a copy of each, with the run id
+   as a header, to the *wake queue* of the queue Celery's router chooses for it
+   (``<queue>.caps-wake``, consumed by every worker of that queue), so that it does
+   not wait behind its queue's backlog while its slot is reserved.
+4. **Claim.**  The copy arrives and claims: its dispatch leases become its run's.
+5. **Recovery.**  Every worker's main process calls :func:`recover` every few
+   seconds: dispatches whose deadline passed unclaimed (the releaser died, the
+   message was lost) go back to waiting and are dispatched again, room freed by
+   expired leases (a crashed worker) goes to waiters, and waiters past
+   ``caps_max_wait_seconds`` are readmitted (their copies give up in admission).
+   Nothing here needs beat.
+
+A copy ends without running only when the store confirms, in the same step, that
+someone else answers for its task; headers only say which dispatch a copy claims.
+A task dispatched more than once leaves a tombstone when claimed, so that a copy of
+an earlier dispatch still on its way (in a prefetch buffer, say) ends rather than
+runs it again, unless the broker redelivered it (its run may have died).
+
+Bounds: ``caps_park_max_waiters`` per slot name and ``caps_park_max_payload_bytes``
+per message; a task over either is put back with backoff instead.  Waiters are
+ordered by first-deferral time (then park time); a waiter one of whose slots is
+full is passed over, never blocking the ones behind it, so no key starves.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+from celery.exceptions import Ignore
+from celery.utils.time import maybe_make_aware
+from kombu.entity import Exchange, Queue
+from kombu.serialization import dumps, loads
+
+from .caps import slots_for
+from .errors import CapWaitExceeded, StoreError
+from .settings import PARK, CapsSettings
+from .stores.base import (
+    DISPATCH_HOLDER,
+    PARK_ADMITTED,
+    PARK_FULL,
+    PARK_LIST_FULL,
+    PARK_PARKED,
+    PARK_WAITING,
+    ClaimOutcome,
+    SlotStore,
+    Woken,
+)
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from .task import CappedTask
+    from .worker import CapsRuntime
+
+logger = logging.getLogger(__name__)
+
+#: The header of a dispatched copy: the run id of its dispatch, which it claims on arrival.
+DISPATCH_HEADER = "caps_dispatch_run_id"
+#: A woken task is published to ``<its queue>`` + this suffix: a queue that every worker
+#: consuming ``<its queue>`` consumes too (:class:`~celery_caps.worker.CapsWakeQueues`).
+WAKE_QUEUE_SUFFIX = ".caps-wake"
+
+
+class CapsContext(Protocol):
+    """What the functions below work with: a worker process's ``CapsRuntime``, or the CLI's operator."""
+
+    @property
+    def app(self) -> Celery: ...
+
+    @property
+    def settings(self) -> CapsSettings: ...
+
+    @property
+    def store(self) -> SlotStore: ...
+
+
+def dispatch_lease_seconds(runtime: CapsContext) -> float:
+    """How long a dispatch lasts unclaimed before recovery dispatches the task again, in seconds."""
+    return runtime.settings.parking.dispatch_lease_seconds or runtime.settings.lease_seconds
+
+
+def parks(runtime: CapsContext) -> bool:
+    """Whether releases in this runtime hand freed room to waiters (park in use, a store that parks)."""
+    return runtime.settings.parking.uses_park and runtime.store.supports_parking
+
+
+# -- 1. arrival ---------------------------------------------------------------------
+
+
+class Verdict(enum.Enum):
+    """What :func:`decide` found for an arriving copy."""
+
+    #: Admitted (or its dispatch claimed): run the body under :attr:`Decision.run_id`.
+    RUN = "run"
+    #: Parked now: the store answers for the task; end this copy.
+    PARKED = "parked"
+    #: Someone else answers for the task (its entry, a live run, a tombstone); end this copy.
+    ANSWERED = "answered"
+    #: A slot's waiting list is full: put the copy back with backoff instead.
+    LIST_FULL = "waitlist_full"
+    #: Its message is over ``caps_park_max_payload_bytes``: put it back with backoff instead.
+    TOO_LARGE = "payload_too_large"
+    #: Its slots are full and it has waited ``caps_max_wait_seconds``: it gives up.
+    GAVE_UP = "gave_up"
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A copy of a task arriving in the process that would run it."""
+
+    task_id: str
+    task_name: str | None
+    #: Slot name -> limit.
+    slots: Mapping[str, int]
+    #: The process that would run it (``"<node>/<pid>"``).
+    holder: str
+    #: The dispatch this copy carries (its header), if any.
+    dispatch_run_id: str | None
+    #: The broker delivered this copy before (``delivery_info["redelivered"]``).
+    redelivered: bool
+    #: When the task was first deferred (epoch seconds): its place in the waiting list.
+    first_deferred_at: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    #: The run id holding the slots (RUN only).
+    run_id: str | None = None
+    #: Whether the run is a claimed dispatch (RUN only).
+    claimed: bool = False
+
+
+def decide(
+    store: SlotStore,
+    arrival: Arrival,
+    new_run_id: str,
+    payload: Callable[[], bytes],
+    *,
+    lease_seconds: float,
+    max_waiters: int,
+    max_payload_bytes: int,
+    max_wait_seconds: float | None = None,
+    now: float | None = None,
+) -> Decision:
+    """Claim the copy's dispatch, then admit or park it: at most three store calls, one when
+    nothing waits.  ``payload`` builds the message to park (called only when the slots are full).
+    A task whose slots are full and that was first deferred ``max_wait_seconds`` or more before
+    ``now`` (epoch seconds, default the present) gives up instead of parking.
+
+    Raises:
+        StoreError: the store failed; nothing is known of the outcome of the failing call.
+    """
+    if arrival.dispatch_run_id:
+        claimed = store.claim(
+            arrival.task_id, arrival.dispatch_run_id, arrival.holder, lease_seconds, redelivered=arrival.redelivered
+        )
+        if claimed is ClaimOutcome.RUN:
+            return Decision(Verdict.RUN, arrival.dispatch_run_id, claimed=True)
+        if claimed is ClaimOutcome.END:
+            return Decision(Verdict.ANSWERED)
+
+    def park(message: bytes | None) -> str:
+        return store.park(
+            arrival.slots, arrival.task_id, new_run_id, arrival.holder, lease_seconds, payload=message,
+            first_deferred_at=arrival.first_deferred_at, max_waiters=max_waiters, task_name=arrival.task_name,
+        )  # fmt: skip
+
+    outcome = park(None)
+    if outcome == PARK_FULL:
+        waited = (time.time() if now is None else now) - arrival.first_deferred_at
+        if max_wait_seconds is not None and waited >= max_wait_seconds:
+            return Decision(Verdict.GAVE_UP)
+        message = payload()
+        if len(message) > max_payload_bytes:
+            return Decision(Verdict.TOO_LARGE)
+        outcome = park(message)
+    if outcome == PARK_ADMITTED:
+        return Decision(Verdict.RUN, new_run_id)
+    if outcome == PARK_PARKED:
+        return Decision(Verdict.PARKED)
+    if outcome == PARK_WAITING:
+        return Decision(Verdict.ANSWERED)
+    if outcome == PARK_LIST_FULL:
+        return Decision(Verdict.LIST_FULL)
+    raise AssertionError(f"unexpected park outcome {outcome!r}")  # pragma: no cover - the contract's outcomes
+
+
+# -- 1-2. arrival in a Celery worker: the copy runs, or ends once the store answers for it -----
+
+
+def admit(
+    task: CappedTask,
+    runtime: CapsRuntime,
+    request: Any,
+    slots: Mapping[str, int],
+    holder: str,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> str | None:
+    """Park's admission in the process that would run the task: the run id holding ``slots``;
+    or end this copy with ``Ignore`` (parked, or someone else answers for the task), or put it
+    back with backoff (it cannot park).  None: it runs uncapped (``caps_on_store_error = "run"``).
+    """
+    from . import backoff
+
+    settings = runtime.settings
+    parking = settings.parking
+    deferrals = backoff.deferrals_of(request)
+    first_deferred_at = backoff.first_deferred_at(request) or time.time()
+    dispatch = backoff.header(request, DISPATCH_HEADER)
+    arrival = Arrival(
+        task_id=request.id,
+        task_name=task.name,
+        slots=slots,
+        holder=holder,
+        dispatch_run_id=str(dispatch) if dispatch else None,
+        redelivered=bool((getattr(request, "delivery_info", None) or {}).get("redelivered")),
+        first_deferred_at=first_deferred_at,
+    )
+    waiting = {
+        "task_name": task.name,
+        "slots": list(slots),
+        "full_slots": list(slots),
+        "reason": "parked",
+        "deferrals": deferrals + 1,
+        "first_deferred_at": first_deferred_at,
+        "next_attempt_at": None,
+    }
+
+    def payload() -> bytes:
+        headers = backoff.republish_headers(request, deferrals, first_deferred_at)
+        message = encode_payload(task._get_app(), task.signature_from_request(request, args, kwargs, headers=headers))
+        # Before parking: a release may wake it, and it may finish, at once.
+        task.store_deferred_state(runtime, request, waiting)
+        return message
+
+    run_id = uuid.uuid4().hex
+    try:
+        decision = decide(
+            runtime.store, arrival, run_id, payload, lease_seconds=settings.lease_seconds,
+            max_waiters=parking.max_waiters, max_payload_bytes=parking.max_payload_bytes,
+            max_wait_seconds=settings.max_wait_seconds,
+        )  # fmt: skip
+    except StoreError as exc:
+        # The failing call may have committed before its reply was lost: its leases (a claimed
+        # dispatch, an admission) are released once the store answers again, not a lease later.
+        for taken in filter(None, (arrival.dispatch_run_id, run_id)):
+            runtime.retry_release(taken)
+        backoff.on_store_error(task, runtime, request, slots, args, kwargs, exc)
+        return None
+    if decision.verdict is Verdict.RUN:
+        assert decision.run_id is not None
+        runtime.hold(decision.run_id, request.id, slots, holder, task.name, deferrals)
+        runtime.metrics.admitted(slots, backoff.seconds_waited(request))
+        return decision.run_id
+    if decision.verdict is Verdict.PARKED:
+        logger.debug("%s[%s] parked: %s full", task.name, request.id, ", ".join(slots))
+        task.end_deferred_copy(runtime, request, waiting)
+    if decision.verdict is Verdict.ANSWERED:
+        logger.info(
+            "%s[%s]: the store answers for this task already (it waits, or another copy claimed it); "
+            "this copy ends", task.name, request.id,
+        )  # fmt: skip
+        raise Ignore()
+    if decision.verdict is Verdict.GAVE_UP:
+        raise CapWaitExceeded(task.name, request.id, time.time() - first_deferred_at, list(slots))
+    reason = decision.verdict.value
+    logger.warning(
+        "%s[%s] put back with backoff: %s", task.name, request.id,
+        f"the waiting list of {', '.join(slots)} holds caps_park_max_waiters ({parking.max_waiters})"
+        if decision.verdict is Verdict.LIST_FULL
+        else f"its message is over caps_park_max_payload_bytes ({parking.max_payload_bytes})",
+    )  # fmt: skip
+    backoff.put_back(task, runtime, request, slots, list(slots), args, kwargs, reason=reason)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What admission when sent decided for a task being sent (both None: send it as usual)."""
+
+    task_id: str | None
+    #: The task waits in the store: the result to return instead of sending it.
+    parked: Any = None
+    #: The task took its slots: the run id of its dispatch leases, for its message's header.
+    dispatch_run_id: str | None = None
+
+
+#: ``apply_async`` options about how to send, not part of the message: never parked.
+_SEND_ONLY_OPTIONS = ("producer", "connection", "router", "publisher", "result_cls", "add_to_parent", "retry_policy")
+
+
+def _absolute_expiry(app: Celery, expires: Any) -> Any:
+    """``expires`` as the absolute ISO time Celery would put in the message when sent now: a
+    parked message must not restart a relative expiry's clock when it is published later."""
+    if isinstance(expires, bool) or not isinstance(expires, (int, float, datetime)):
+        return expires
+    if isinstance(expires, datetime):
+        return maybe_make_aware(expires).isoformat()
+    return maybe_make_aware(app.now() + timedelta(seconds=float(expires))).isoformat()
+
+
+def admit_when_sent(
+    task: CappedTask,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    task_id: str | None,
+    link: Any,
+    link_error: Any,
+    shadow: str | None,
+    options: dict[str, Any],
+) -> Sent:
+    """``caps_park_on_publish``: park the task being sent if its slots are full, or take them if
+    they have room (``caps_admit_on_publish``); the outcome, or an empty one to send it as usual."""
+    from . import backoff
+    from .worker import runtime_for
+
+    send_as_usual = Sent(task_id)
+    app = task._get_app()
+    if app.conf.task_always_eager or options.get("countdown") is not None or options.get("eta") is not None:
+        return send_as_usual
+    headers = options.get("headers") or {}
+    if DISPATCH_HEADER in headers or backoff.DEFERRALS_HEADER in headers:
+        return send_as_usual  # the library's own copies
+    try:
+        runtime = runtime_for(app)
+        parking = runtime.settings.parking
+        if not (parking.on_publish and parking.strategy_for(task._caps) == PARK):
+            return send_as_usual
+        store = runtime.store
+        if not store.supports_parking:
+            return send_as_usual
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        slots = slots_for(task._caps, args, kwargs)
+    except Exception:
+        return send_as_usual  # no usable caps settings, or a bad key: the worker reports it
+    task_id = task_id or str(uuid.uuid4())
+    first_deferred_at = time.time()
+    # The message as it would have been sent: Celery's routing and execution options,
+    # and the parent of the task sending it (a republish has no such context).
+    sent_options = {**task._get_exec_options(), **options, "task_id": task_id}
+    sent_options.setdefault("ignore_result", task.ignore_result)
+    if sent_options.get("expires") is not None:
+        sent_options["expires"] = _absolute_expiry(app, sent_options["expires"])
+    sent_options["headers"] = {
+        **headers, backoff.DEFERRALS_HEADER: 0, backoff.FIRST_DEFERRED_HEADER: first_deferred_at
+    }  # fmt: skip
+    parent = app.current_worker_task
+    if parent is not None and options.get("add_to_parent", True):
+        sent_options.setdefault("root_id", parent.request.root_id or parent.request.id)
+        sent_options.setdefault("parent_id", parent.request.id)
+    if shadow:
+        sent_options["shadow"] = shadow
+    for name, value in (("link", link), ("link_error", link_error)):
+        if value:
+            sent_options[name] = value
+    for name in _SEND_ONLY_OPTIONS:
+        sent_options.pop(name, None)
+    try:
+        payload = encode_payload(app, task.signature(args, kwargs, sent_options))
+    except Exception as exc:  # an option the serializer cannot carry: send it as usual
+        logger.debug("%s[%s] sent to the broker: cannot park its message (%s)", task.name, task_id, exc)
+        return send_as_usual
+    if len(payload) > parking.max_payload_bytes:
+        return send_as_usual
+    # Taken when sent (caps_admit_on_publish), the slots are held like a release's dispatch:
+    # by the dispatch holder, for the dispatch lease, until the receiving worker claims them.
+    run_id = uuid.uuid4().hex
+    try:
+        outcome = store.park(
+            slots, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds(runtime),
+            payload=payload, first_deferred_at=first_deferred_at, max_waiters=parking.max_waiters,
+            task_name=task.name, admit=parking.admit_on_publish,
+        )  # fmt: skip
+    except StoreError as exc:
+        logger.warning("%s[%s] sent to the broker: could not check its slots (%s)", task.name, task_id, exc)
+        return Sent(task_id)
+    if outcome == PARK_ADMITTED:
+        logger.debug("%s[%s] took %s when sent", task.name, task_id, ", ".join(slots))
+        return Sent(task_id, dispatch_run_id=run_id)
+    if outcome != PARK_PARKED:
+        return Sent(task_id)  # room, not taken (or the waiting list is full): the broker it is
+    logger.debug("%s[%s] parked when sent: %s full", task.name, task_id, ", ".join(slots))
+    runtime.metrics.deferred(list(slots), "parked")
+    return Sent(task_id, parked=task.AsyncResult(task_id))
+
+
+# -- payloads: the message a waiter is published with again ----------------------------
+
+
+def encode_payload(app: Celery, message: Mapping[str, Any]) -> bytes:
+    """``message`` (a signature as a dict) in the app's task serializer, with its content type."""
+    content_type, encoding, data = dumps(dict(message), serializer=app.conf.task_serializer)  # type: ignore[no-untyped-call]
+    body = data if isinstance(data, bytes) else data.encode(encoding)
+    return f"{content_type}\n{encoding}\n".encode() + body
+
+
+def decode_payload(payload: bytes) -> Any:
+    content_type, encoding, body = payload.split(b"\n", 2)
+    kind = content_type.decode()
+    return loads(body, kind, encoding.decode(), accept=[kind])  # type: ignore[no-untyped-call]
+
+
+# -- 3. release, wake and publish ----------------------------------------------------------
+
+#: True while the library publishes a waiting task again (a wake, a put-back): such a
+#: message goes to the broker, never to the waiting list at publish time.
+REPUBLISHING: ContextVar[bool] = ContextVar("celery_caps_republishing", default=False)
+
+
+def is_wake_queue(name: str) -> bool:
+    return name.endswith(WAKE_QUEUE_SUFFIX)
+
+
+def wake_queue_name(queue: str) -> str:
+    """The wake queue of ``queue`` (itself for a wake queue)."""
+    return queue if is_wake_queue(queue) else queue + WAKE_QUEUE_SUFFIX
+
+
+def queue_of_wake_queue(name: str) -> str:
+    """The queue whose wake queue is ``name``."""
+    return name[: -len(WAKE_QUEUE_SUFFIX)] if is_wake_queue(name) else name
+
+
+def wake_queue(name: str) -> Queue:
+    """The wake queue called ``name``, declared like a queue Celery creates when it is missing."""
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+
+
+def _declared_queue(app: Celery, options: Mapping[str, Any]) -> str | None:
+    """The queue a message's options name, or reach through a declared binding (None: they do not say)."""
+    queue = options.get("queue")
+    if isinstance(queue, Queue):
+        return str(queue.name)
+    if isinstance(queue, str) and queue:
+        return queue
+    exchange, routing_key = options.get("exchange"), options.get("routing_key")
+    if isinstance(exchange, Exchange):
+        exchange = exchange.name
+    if not routing_key:
+        return None
+    if not exchange:
+        return str(routing_key)  # the default exchange routes by queue name
+    for candidate in app.amqp.queues.values():
+        bound = candidate.exchange is not None and candidate.exchange.name == exchange
+        if bound and candidate.routing_key == routing_key:
+            return str(candidate.name)
+    return None
+
+
+def destination_queue(app: Celery, signature: Any) -> str | None:
+    """The queue Celery sends ``signature`` to: the one its options name, else the one its router
+    chooses (``task_routes``, ``task_default_queue``); None if neither names a queue."""
+    options = dict(signature.options)
+    named = _declared_queue(app, options)
+    if named is not None:
+        return named
+    for option in ("exchange", "routing_key"):
+        options.pop(option, None)
+    routed = app.amqp.router.route(options, signature.task, tuple(signature.args or ()), dict(signature.kwargs or {}))
+    queue = routed.get("queue")
+    return str(queue.name) if isinstance(queue, Queue) else (queue or None)
+
+
+def publish_woken(app: Celery, woken: Sequence[Woken]) -> list[Woken]:
+    """Publish a copy of each dispatched waiter, carrying its dispatch run id, to the wake queue
+    of its queue; returns those published.  A failure is logged (task id only, never the
+    payload): the entry keeps answering for the task, and recovery dispatches it again once
+    the dispatch's deadline passes."""
+    if not woken:
+        return []
+    published = []
+    # Not a child of whatever task runs in this process (Celery would set parent_id).
+    current = app.current_worker_task
+    if current is not None:
+        current.push_request(called_directly=True)
+    republishing = REPUBLISHING.set(True)
+    try:
+        for waiter in woken:
+            try:
+                signature = app.signature(decode_payload(waiter.payload))
+                headers = {**(signature.options.get("headers") or {}), DISPATCH_HEADER: waiter.run_id}
+                queue = destination_queue(app, signature)
+                route: dict[str, Any] = {}
+                if queue is not None:
+                    route = {"queue": wake_queue(wake_queue_name(queue)), "exchange": None, "routing_key": None}
+                signature.apply_async(headers=headers, add_to_parent=False, **route)
+                published.append(waiter)
+            except Exception as exc:
+                logger.error(
+                    "could not publish waiting task %s[%s] (%s: %s); it is dispatched again once its dispatch expires",
+                    waiter.task_name, waiter.task_id, type(exc).__name__, exc,
+                )  # fmt: skip
+    finally:
+        REPUBLISHING.reset(republishing)
+        if current is not None:
+            current.pop_request()
+    return published
+
+
+def release(runtime: CapsContext, run_id: str) -> int:
+    """Release ``run_id``; with park in use, hand its room to waiters and publish them.
+
+    Returns the leases deleted.  Raises :class:`StoreError` like ``SlotStore.release``.
+    """
+    if not parks(runtime):
+        return runtime.store.release(run_id)
+    deleted, woken = runtime.store.release_and_wake(run_id, dispatch_lease_seconds(runtime))
+    publish_woken(runtime.app, woken)
+    return deleted
+
+
+def release_holder(runtime: CapsContext, task_id: str, holder: str) -> int:
+    """Release what ``holder`` (a dead pool process) held for ``task_id``; with park in use,
+    hand the room to waiters and publish them.  Returns the leases deleted."""
+    if not parks(runtime):
+        return runtime.store.release_holder(task_id, holder)
+    deleted, woken = runtime.store.release_holder_and_wake(task_id, holder, dispatch_lease_seconds(runtime))
+    publish_woken(runtime.app, woken)
+    return deleted
+
+
+def release_task(runtime: CapsContext, task_id: str) -> int:
+    """Release every lease of ``task_id`` (revoke); with park in use, hand the room to waiters
+    and publish them.  Returns the leases deleted."""
+    if not parks(runtime):
+        return runtime.store.release_task(task_id)
+    deleted, woken = runtime.store.release_task_and_wake(task_id, dispatch_lease_seconds(runtime))
+    publish_woken(runtime.app, woken)
+    return deleted
+
+
+def forget(runtime: CapsContext, task_id: str) -> int:
+    """``task_id`` is not to run (revoked, expired): take it off the waiting list, free its
+    dispatch leases for the next waiters and publish them.  Returns the entries removed."""
+    if not runtime.store.supports_parking:
+        return 0
+    removed, woken = runtime.store.forget(task_id, dispatch_lease_seconds(runtime))
+    publish_woken(runtime.app, woken)
+    return removed
+
+
+# -- 5. recovery ------------------------------------------------------------------------------
+
+
+def recover(runtime: CapsContext, slots: Sequence[str] | None = None) -> list[Woken]:
+    """Dispatch again what was never claimed, hand room freed by expiry to waiters, readmit
+    waiters past ``caps_max_wait_seconds``; publish them.  Returns those published.
+
+    Raises:
+        StoreError: the store failed (the next call tries again).
+    """
+    if not parks(runtime):
+        return []
+    max_wait = runtime.settings.max_wait_seconds
+    woken = runtime.store.recover(
+        dispatch_lease_seconds(runtime),
+        slots=slots,
+        readmit_before=None if max_wait is None else time.time() - max_wait,
+    )
+    return publish_woken(runtime.app, woken)
+
+
+def readmit(runtime: CapsContext, slot: str) -> tuple[int, list[Woken]]:
+    """An operator empties ``slot``'s waiting list: its waiters are published to go through
+    admission again.  Returns how many were taken off and those published."""
+    woken = runtime.store.readmit(slot, dispatch_lease_seconds(runtime))
+    return len(woken), publish_woken(runtime.app, woken)
+
+
+def check_store(app: Celery, store: SlotStore) -> None:
+    """At worker start: warn when park is chosen but the store cannot park (backoff is used)."""
+    settings = CapsSettings.from_conf(app.conf).parking
+    if settings.uses_park and not store.supports_parking:
+        logger.warning(
+            "caps_strategy chooses park, but the slot store %s has no waiting list: capped tasks "
+            "are put back with backoff instead",
+            type(store).__name__,
+        )
