@@ -84,12 +84,18 @@ def seconds_waited(request: Any) -> float:
     return time.time() - first if first else 0.0
 
 
+def copied_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``headers`` as a copy of the task made from this delivery carries them (a retry, a
+    put-back, a parked message): without this delivery's own headers (its dispatch)."""
+    return {key: value for key, value in (headers or {}).items() if key not in DELIVERY_HEADERS}
+
+
 def republish_headers(request: Any, deferrals: int, first_deferred: float) -> dict[str, Any]:
     """The caller's custom headers of ``request`` plus the waiting history of one more deferral."""
     headers = {
         key: value
-        for key, value in (getattr(request, "headers", None) or {}).items()
-        if key not in _CELERY_HEADER_FIELDS and key not in DELIVERY_HEADERS
+        for key, value in copied_headers(getattr(request, "headers", None)).items()
+        if key not in _CELERY_HEADER_FIELDS
     }
     headers[DEFERRALS_HEADER] = deferrals + 1
     headers[FIRST_DEFERRED_HEADER] = first_deferred

@@ -262,19 +262,33 @@ def admit(
         return message
 
     run_id = uuid.uuid4().hex
-    try:
-        decision = decide(
-            runtime.store, arrival, run_id, payload, lease_seconds=settings.lease_seconds,
-            max_waiters=parking.max_waiters, max_payload_bytes=parking.max_payload_bytes,
-            max_wait_seconds=settings.max_wait_seconds,
-        )  # fmt: skip
-    except StoreError as exc:
-        # The failing call may have committed before its reply was lost: its leases (a claimed
-        # dispatch, an admission) are released once the store answers again, not a lease later.
-        for taken in filter(None, (arrival.dispatch_run_id, run_id)):
-            runtime.retry_release(taken)
-        backoff.on_store_error(task, runtime, request, slots, args, kwargs, exc)
-        return None
+    failures = 0
+    while True:
+        try:
+            decision = decide(
+                runtime.store, arrival, run_id, payload, lease_seconds=settings.lease_seconds,
+                max_waiters=parking.max_waiters, max_payload_bytes=parking.max_payload_bytes,
+                max_wait_seconds=settings.max_wait_seconds,
+            )  # fmt: skip
+            break
+        except StoreError as exc:
+            if arrival.dispatch_run_id is None:
+                # The failing call may have admitted before its reply was lost: that run is
+                # released once the store answers again, not a lease later.  A copy put back makes
+                # the same decision on its return (none depends on this delivery).
+                runtime.retry_release(run_id)
+                backoff.on_store_error(task, runtime, request, slots, args, kwargs, exc)
+                return None
+            # A copy carrying a dispatch is decided by its claim, which only this delivery can
+            # present (its dispatch, whether the broker redelivered it): a copy put back without
+            # them could run a task someone else answers for, and one put back with them could
+            # find its own earlier claim and end.  Every step is repeatable by the same process
+            # with the same run id, so it waits here and tries again.
+            failures += 1
+            wait = backoff.backoff_seconds(failures, settings.backoff_min_seconds, settings.backoff_max_seconds)
+            log = logger.warning if failures == 1 else logger.debug
+            log("%s[%s]: claiming its dispatch failed (%s); trying again in %.1f s", task.name, request.id, exc, wait)
+            time.sleep(wait)
     if decision.verdict is Verdict.RUN:
         assert decision.run_id is not None
         runtime.hold(decision.run_id, request.id, slots, holder, task.name, deferrals)

@@ -240,9 +240,8 @@ class CappedTask(Task):  # type: ignore[misc]
         if queue is None and isinstance(routing_key, str) and park.is_wake_queue(routing_key):
             queue = park.queue_of_wake_queue(routing_key)
         signature = super().signature_from_request(request, args, kwargs, queue=queue, **extra_options)
-        headers = signature.options.get("headers")
-        if headers and any(name in headers for name in backoff.DELIVERY_HEADERS):
-            signature.options["headers"] = {k: v for k, v in headers.items() if k not in backoff.DELIVERY_HEADERS}
+        if signature.options.get("headers"):
+            signature.options["headers"] = backoff.copied_headers(signature.options["headers"])
         return signature
 
     # -- a copy that waits ------------------------------------------------------------

@@ -57,8 +57,10 @@ dispatched
     operator: its copy goes through admission again).  Each dispatch counts.
 done
     A tombstone (:data:`DONE_SECONDS`) of an entry that was dispatched more than
-    once and has been claimed: copies of its older dispatches may still be on their
-    way, and must end.  Never walked nor listed; the sweep deletes it.
+    once and has been claimed (it records that claim: the dispatch and its holder):
+    copies of its older dispatches may still be on their way, and must end.  Never
+    walked nor listed; the sweep deletes it.  A task that parks again replaces it,
+    and its new entry keeps the count of dispatches.
 
 The atomic steps:
 
@@ -375,12 +377,13 @@ class SlotStore(abc.ABC):
         """A copy of ``task_id`` carrying dispatch run id ``run_id`` arrived; decide, in one step:
 
         1. Every lease of ``run_id`` is a live dispatch lease: they become the run's (``holder``,
-           ``lease_seconds`` from now); the entry is deleted, or becomes a tombstone if it was
-           dispatched more than once.  :attr:`ClaimOutcome.RUN`.
-        2. Leases of ``run_id`` are live but held by another copy's run (it claimed first):
-           :attr:`~ClaimOutcome.ADMIT` if this copy was ``redelivered`` by the broker (the other
-           may have died: admission admits it at once, the task holding the slot already),
-           else :attr:`~ClaimOutcome.END`.
+           ``lease_seconds`` from now); the entry is deleted, or becomes a tombstone of this
+           claim if it was dispatched more than once.  :attr:`ClaimOutcome.RUN`.
+        2. Leases of ``run_id`` are live and claimed already.  By ``holder`` itself: the same
+           claim again (retried after its reply was lost), :attr:`~ClaimOutcome.RUN` (renewed).
+           By another process (a copy that claimed first): :attr:`~ClaimOutcome.ADMIT` if this
+           copy was ``redelivered`` by the broker (the other may have died: admission admits it
+           at once, the task holding the slot already), else :attr:`~ClaimOutcome.END`.
         3. Otherwise (no live lease of ``run_id``: it expired, or the dispatch had none), the
            dispatch leases left of ``run_id`` are deleted, and by the task's entry:
 
@@ -388,8 +391,12 @@ class SlotStore(abc.ABC):
            - waiting, or dispatched to another run: :attr:`~ClaimOutcome.END`;
            - dispatched to ``run_id``: the entry is deleted (a tombstone if it was dispatched
              more than once), :attr:`~ClaimOutcome.ADMIT`;
-           - a tombstone: :attr:`~ClaimOutcome.ADMIT` if ``redelivered``, else
-             :attr:`~ClaimOutcome.END`.
+           - a tombstone: :attr:`~ClaimOutcome.ADMIT` if ``redelivered``, or if it is the tombstone
+             of this very claim (``run_id`` claimed by ``holder``: the claim retried after its
+             reply was lost, its leases expired meanwhile); else :attr:`~ClaimOutcome.END`.
+
+        So a claim is repeatable by the process that made it: retried with the same arguments,
+        it never ends a copy whose first try took the task.
         """
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
 

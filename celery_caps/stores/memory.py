@@ -58,6 +58,8 @@ class _WaiterEntry:
     dispatches: int = 0
     #: A tombstone until then (store clock); None for a live entry.
     done_until: float | None = None
+    #: A tombstone of a claim: the holder that claimed ``dispatch_run_id``.
+    claimed_by: str | None = None
 
     @property
     def waiting(self) -> bool:
@@ -137,6 +139,7 @@ class MemoryStore(SlotStore):
             entry = self._waiting.get(task_id)
             if entry is not None and entry.listed:
                 return PARK_WAITING
+            dispatches = entry.dispatches if entry is not None else 0  # a tombstone's count lives on
             if not self._full_slots(slots, task_id, now):
                 if not admit:
                     return PARK_ROOM
@@ -148,8 +151,9 @@ class MemoryStore(SlotStore):
             if any(count >= max_waiters for count in waiting.values()):
                 return PARK_LIST_FULL
             self._waiting[task_id] = _WaiterEntry(
-                task_id, dict(slots), payload, first_deferred_at, now, next(self._sequence), task_name
-            )
+                task_id, dict(slots), payload, first_deferred_at, now, next(self._sequence), task_name,
+                dispatches=dispatches,
+            )  # fmt: skip
             return PARK_PARKED
 
     def _add_leases(
@@ -197,8 +201,9 @@ class MemoryStore(SlotStore):
         self, doomed: Callable[[str, _LeaseEntry], bool], dispatch_lease_seconds: float
     ) -> tuple[int, list[Woken]]:
         with self._lock:
+            freed = {slot for slot, runs in self._leases.items() if any(doomed(r, lease) for r, lease in runs.items())}
             deleted = self._delete_locked(doomed)
-            woken = self._wake_locked(self.clock(), dispatch_lease_seconds) if deleted else []
+            woken = self._wake_locked(self.clock(), dispatch_lease_seconds, freed) if deleted else []
         return deleted, woken
 
     def release_and_wake(self, run_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
@@ -214,11 +219,12 @@ class MemoryStore(SlotStore):
     def release_task_and_wake(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         return self._release_and_wake(lambda run, lease: lease.task_id == task_id, dispatch_lease_seconds)
 
-    def _settle_locked(self, entry: _WaiterEntry, now: float) -> None:
-        """A claimed (or forgotten) entry leaves the list: a tombstone if other copies may be
-        on their way (it was dispatched more than once), else deleted."""
+    def _settle_locked(self, entry: _WaiterEntry, now: float, holder: str) -> None:
+        """A claimed entry leaves the list: a tombstone of ``holder``'s claim if other copies may
+        be on their way (it was dispatched more than once), else deleted."""
         if entry.dispatches > 1:
             entry.done_until = now + self.done_seconds
+            entry.claimed_by = holder
         else:
             del self._waiting[entry.task_id]
 
@@ -231,24 +237,25 @@ class MemoryStore(SlotStore):
             leases = [lease for lease in leases if lease.task_id == task_id]
             live = [lease for lease in leases if lease.expires_at > now]
             entry = self._waiting.get(task_id)
-            if live and len(live) == len(leases) and all(lease.holder == DISPATCH_HOLDER for lease in live):
+            if live and len(live) == len(leases) and all(lease.holder in (DISPATCH_HOLDER, holder) for lease in live):
                 for lease in live:
                     lease.holder = holder
                     lease.expires_at = now + lease_seconds
                 if entry is not None and entry.dispatch_run_id == run_id and entry.listed:
-                    self._settle_locked(entry, now)
+                    self._settle_locked(entry, now, holder)
                 return ClaimOutcome.RUN
             if live and any(lease.holder != DISPATCH_HOLDER for lease in live):
                 return ClaimOutcome.ADMIT if redelivered else ClaimOutcome.END
             # No live lease of the dispatch: what is left of it goes.
-            self._delete_dispatch_locked(run_id)
+            self._delete_dispatch_locked(run_id, task_id)
             if entry is None:
                 return ClaimOutcome.ADMIT
             if entry.done_until is not None:
-                return ClaimOutcome.ADMIT if redelivered else ClaimOutcome.END
+                same_claim = entry.dispatch_run_id == run_id and entry.claimed_by == holder
+                return ClaimOutcome.ADMIT if redelivered or same_claim else ClaimOutcome.END
             if entry.dispatch_run_id != run_id:
                 return ClaimOutcome.END
-            self._settle_locked(entry, now)
+            self._settle_locked(entry, now, holder)
             return ClaimOutcome.ADMIT
 
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
@@ -261,8 +268,8 @@ class MemoryStore(SlotStore):
                 del self._waiting[task_id]
                 return 1, []
             entry.done_until = now + self.done_seconds
-            deleted = self._delete_dispatch_locked(str(entry.dispatch_run_id))
-            return 1, (self._wake_locked(now, dispatch_lease_seconds) if deleted else [])
+            deleted = self._delete_dispatch_locked(str(entry.dispatch_run_id), task_id)
+            return 1, (self._wake_locked(now, dispatch_lease_seconds, set(entry.slots)) if deleted else [])
 
     def recover(
         self,
@@ -281,7 +288,7 @@ class MemoryStore(SlotStore):
             ]
             for entry in considered:
                 if entry.dispatch_run_id is not None and entry.dispatch_expires_at <= now:
-                    self._delete_dispatch_locked(entry.dispatch_run_id)
+                    self._delete_dispatch_locked(entry.dispatch_run_id, entry.task_id)
                     entry.dispatch_run_id = None
             woken = []
             if readmit_before is not None:
@@ -325,9 +332,11 @@ class MemoryStore(SlotStore):
                         renewed[run_id] = renewed.get(run_id, 0) + 1
         return renewed
 
-    def _delete_dispatch_locked(self, run_id: str) -> int:
-        """Delete the dispatch leases (never a claimed run's) of dispatch ``run_id``."""
-        return self._delete_locked(lambda run, lease: run == run_id and lease.holder == DISPATCH_HOLDER)
+    def _delete_dispatch_locked(self, run_id: str, task_id: str) -> int:
+        """Delete the dispatch leases (never a claimed run's) of ``task_id``'s dispatch ``run_id``."""
+        return self._delete_locked(
+            lambda run, lease: run == run_id and lease.task_id == task_id and lease.holder == DISPATCH_HOLDER
+        )
 
     def _delete_locked(self, doomed: Callable[[str, _LeaseEntry], bool]) -> int:
         deleted = 0

@@ -2,14 +2,13 @@
 
 Each store operation (acquire, a batch of renewals, each kind of release, the
 sweep, the reports, and each step of the waiting list: park, each kind of release
-and wake, forget, claim, wake, marking waiters and settling the marks) is a single
-script run with ``EVALSHA`` (loaded again automatically after a Redis restart), so
-Redis executes it atomically: two admissions competing for the last place of a slot
-are serialised by Redis itself, and a park sees every release before it while every
-release after it sees the waiter.  Lease expiry, dispatch and mark expiry and park
+and wake, claim, forget, recover, readmit) is a single script run with ``EVALSHA``
+(loaded again automatically after a Redis restart), so Redis executes it
+atomically: two admissions competing for the last place of a slot are serialised
+by Redis itself, and a park sees every release before it while every release after
+it sees the waiter.  Lease expiry, dispatch deadlines, tombstone expiry and park
 times are computed inside the scripts from Redis ``TIME``, never from a worker's
-clock.  Expiry times are seconds since the epoch, as
-sorted-set scores.
+clock.  Expiry times are seconds since the epoch, as sorted-set scores.
 
 Key layout
 ----------
@@ -38,50 +37,53 @@ key                            type    content
 ``P:history``                  ZSET    optional history: JSON event -> its time, trimmed
                                        by age and count on every write
 ``P:slot:{E}:waiters``         ZSET    the slot's waiting list (park strategy), one
-                                       entry per parked task, dispatched or not: score
+                                       member per entry, waiting or dispatched: score
                                        = first-deferral time, member = park time (Redis
                                        ``TIME`` as fixed-width text) + a signature of
                                        the task's slots and limits + task id, so the
                                        set's own order is the waiting order (first
                                        deferral, then park time)
-``P:waiting``                  HASH    task id -> MessagePack record of a parked task:
-                                       first deferral, park time, task name, dispatch
-                                       run id or mark and its expiry (empty while
-                                       waiting), the signature, the slot names and
-                                       limits it waits for
+``P:waiting``                  HASH    task id -> MessagePack record of an entry: first
+                                       deferral, park time, task name, dispatch run id
+                                       and deadline (empty while waiting), how many
+                                       times it was dispatched, the signature, the slot
+                                       names and limits it waits for
 ``P:payloads``                 HASH    task id -> its message, opaque bytes (kept apart
                                        so that walking a list never reads payloads)
 ``P:waitlists``                SET     slot names whose waiting list is not empty
-                                       (what the sweep's ``wake`` walks)
-``P:dispatches``               ZSET    dispatched or marked task id -> dispatch or
-                                       mark expiry; ``wake`` finds unclaimed dispatches
-                                       and unsettled marks here
+                                       (what ``recover`` walks)
+``P:dispatches``               ZSET    dispatched task id -> dispatch deadline;
+                                       ``recover`` finds unclaimed dispatches here
+``P:done:<task id>``           STRING  a tombstone: MessagePack (the claimed dispatch's
+                                       run id, the holder that claimed it, the count
+                                       of dispatches), with a TTL of ``done_seconds``
+                                       (Redis deletes it; no script walks tombstones)
 =============================  ======  =============================================
 
-A dispatched waiter's room is held by an ordinary run (holder ``caps-dispatch``,
-expiry ``caps_dispatch_lease_seconds`` by Redis ``TIME``) under its own task id;
-``claim`` gives that run its holder and a full lease.  ``release_and_wake`` walks
-the waiting lists of the released slots together, oldest first, and stops walking
-a list once its slot is full.  A waiter passed over because another of its slots is
-full marks its signature, so the waiters behind it that need the same slots are
-passed over without reading their records (one ``ZSCORE`` each, for the case where
-a task id already holds that slot).
+A dispatch with leases holds its waiter's room with an ordinary run (holder
+``caps-dispatch``, expiry the dispatch deadline by Redis ``TIME``) under the
+waiter's own task id; ``claim`` gives that run its holder and a full lease.  A
+dispatch without leases (a readmit) only marks the record.  ``release_and_wake``
+walks the waiting lists of the released slots together, oldest first, and stops
+walking a list once its slot is full.  A waiter passed over because another of its
+slots is full marks its signature, so the waiters behind it that need the same
+slots are passed over without reading their records (one ``ZSCORE`` each, for the
+case where a task id already holds that slot).
 
-``expire_waiters`` and ``drain`` take waiters off the list at least once: they *mark*
-them (a dispatch without leases: the mark, a random id, in the record's dispatch run
-id, its expiry by Redis ``TIME`` in ``P:dispatches``), so that nothing dispatches or
-takes them again; ``settle_published`` deletes the published ones (matched by task
-id and mark) and puts the failed ones back to waiting; a mark never settled expires
-and ``wake`` puts the waiter back at its place.  ``forget`` removes a task's waiting
-entries and its dispatch leases and dispatches the freed slots in the same script.
+An entry leaves the list when a copy claims it (or ``forget`` drops it).  If it
+was dispatched more than once (or is forgotten while dispatched), copies of an
+earlier dispatch may still be on their way, so a tombstone key stays behind for
+``done_seconds``; ``claim`` reads it, ``park`` replaces it by an entry that keeps
+its count of dispatches.
 
 No operation uses ``KEYS`` or ``SCAN``: renewing or releasing a run costs its own
 leases, releasing a task costs its own runs, the sweep costs the expired leases
 (plus ``log n``), admission costs ``O(log n)`` per slot; parking costs
-``O(log n)`` per slot, a release with waiters the waiters it passes over (measured:
-about 2 µs of Redis time each, 21 ms for 10000).  Empty
-sets disappear by themselves; after every lease is released and every waiter has
-run, only ``P:limits`` remains.
+``O(log n)`` per slot, a release with waiters the waiters it passes over (about
+2 µs of Redis time each), ``recover`` the unclaimed dispatches, the overdue waiters
+and the waiters it passes over.  Empty sets disappear by themselves; after every
+lease is released and every waiter has run, only ``P:limits`` (and tombstones, until
+they expire) remains.
 
 Redis Cluster
 -------------
@@ -92,7 +94,7 @@ run and task indexes (``P:runs``, ``P:expiry``, ``P:task:...``), which releasing
 run id, task id or holder needs, and which no hash tag can put next to every slot
 at once; a multi-slot admission touches several slots' tags as well.  Parking is
 the same: a park writes the store-wide waiting-list keys (``P:waiting``,
-``P:payloads``, ``P:waitlists``), a multi-slot park (a task with several caps)
+``P:payloads``, ``P:waitlists``, ``P:done:...``), a multi-slot park (a task with several caps)
 writes the waiting lists of several slots, and a release dispatches waiters whose
 other slots, and their lists, live under other tags.  A script may only touch keys
 of one hash slot on a cluster, so on Redis Cluster every key of the store must be
@@ -114,7 +116,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
@@ -131,18 +132,17 @@ from redis.retry import Retry
 from ..errors import ConfigurationError, StoreError
 from .base import (
     PARK_ADMITTED,
+    PARK_FULL,
     PARK_LIST_FULL,
     PARK_PARKED,
-    PARK_PARKED_FIRST,
     PARK_ROOM,
+    PARK_WAITING,
     Admission,
-    Claimed,
+    ClaimOutcome,
     HistoryEvent,
     Lease,
     SlotStatus,
     SlotStore,
-    Standby,
-    StandbyDispatch,
     Waiter,
     Woken,
     mask_url,
@@ -163,8 +163,10 @@ _RETRY_BACKOFF_CAP_SECONDS = 0.1
 #: Helpers of the parking scripts, loaded after redis_common.lua.
 _WAITLIST_LIBRARY = "redis_waitlist.lua"
 _PARK_OUTCOMES = {
-    outcome.encode(): outcome for outcome in (PARK_ADMITTED, PARK_PARKED, PARK_PARKED_FIRST, PARK_LIST_FULL, PARK_ROOM)
+    outcome.encode(): outcome
+    for outcome in (PARK_WAITING, PARK_ADMITTED, PARK_ROOM, PARK_FULL, PARK_LIST_FULL, PARK_PARKED)
 }
+_CLAIM_OUTCOMES = {outcome.value.encode(): outcome for outcome in ClaimOutcome}
 
 _PASSWORD_QUERY = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
 
@@ -286,14 +288,10 @@ class RedisStore(SlotStore):
         self._park = self._script("redis_park.lua", _WAITLIST_LIBRARY)
         self._release_and_wake_script = self._script("redis_release_and_wake.lua", _WAITLIST_LIBRARY)
         self._claim = self._script("redis_claim.lua", _WAITLIST_LIBRARY)
-        self._wake = self._script("redis_wake.lua", _WAITLIST_LIBRARY)
         self._forget = self._script("redis_forget.lua", _WAITLIST_LIBRARY)
-        self._mark = self._script("redis_mark.lua", _WAITLIST_LIBRARY)
-        self._settle = self._script("redis_settle.lua", _WAITLIST_LIBRARY)
+        self._recover = self._script("redis_recover.lua", _WAITLIST_LIBRARY)
+        self._readmit = self._script("redis_readmit.lua", _WAITLIST_LIBRARY)
         self._waiters = self._script("redis_waiters.lua", _WAITLIST_LIBRARY)
-        self._stand_by_script = self._script("redis_stand_by.lua", _WAITLIST_LIBRARY)
-        self._standby = self._script("redis_standby.lua", _WAITLIST_LIBRARY)
-        self._standbys = self._script("redis_standbys.lua", _WAITLIST_LIBRARY)
 
     @property
     def client(self) -> redis.Redis:
@@ -327,6 +325,10 @@ class RedisStore(SlotStore):
     def task_key(self, task_id: str) -> bytes:
         """The key of a task id's run set."""
         return self._prefix + b":task:" + _encode(task_id)
+
+    def done_key(self, task_id: str) -> bytes:
+        """The key of a task id's tombstone (present only while it lasts)."""
+        return self._prefix + b":done:" + _encode(task_id)
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -540,22 +542,19 @@ class RedisStore(SlotStore):
         holder: str,
         lease_seconds: float,
         *,
-        payload: bytes,
+        payload: bytes | None,
         first_deferred_at: float,
         max_waiters: int,
         task_name: str | None = None,
         admit: bool = True,
-        report_first: bool = False,
     ) -> str:
         if not run_id:
             raise ValueError("run_id must be non-empty")
-        seconds = self._seconds(lease_seconds)
-        if not slots:
-            return PARK_ADMITTED if admit else PARK_ROOM
-        keys = [*self._waitlist_keys, self.task_key(task_id)]
+        keys = [*self._waitlist_keys, self.task_key(task_id), self.done_key(task_id)]
         args = [
-            *self._run_args(task_id, run_id, holder, seconds, task_name),
-            bytes(payload),
+            *self._run_args(task_id, run_id, holder, self._seconds(lease_seconds), task_name),
+            b"" if payload is None else bytes(payload),
+            "0" if payload is None else "1",
             self._seconds(first_deferred_at, "first_deferred_at"),
             str(int(max_waiters)),
             "1" if admit else "0",
@@ -563,19 +562,22 @@ class RedisStore(SlotStore):
         for slot in sorted(slots):
             keys.extend((*self.slot_keys(slot), self.waiters_key(slot)))
             args.extend((_encode(slot), str(int(slots[slot]))))
-        outcome = _PARK_OUTCOMES[bytes(self._run("park", self._park, keys, args))]
-        return PARK_PARKED if outcome == PARK_PARKED_FIRST and not report_first else outcome
+        return _PARK_OUTCOMES[bytes(self._run("park", self._park, keys, args))]
 
     @staticmethod
     def _woken(reply: Sequence[Any]) -> list[Woken]:
-        """``{task id, run id, task name, payload, standby, ...}`` as :class:`Woken`."""
+        """``{task id, run id, task name, payload, readmit ('1'/'0'), ...}`` as :class:`Woken`."""
         return [
             Woken(
                 _text(reply[i]), _text(reply[i + 1]), bytes(reply[i + 3]), _text(reply[i + 2]) or None,
-                standby=reply[i + 4] == b"1",
+                readmit=reply[i + 4] == b"1",
             )
             for i in range(0, len(reply), 5)
         ]  # fmt: skip
+
+    def _done_milliseconds(self) -> str:
+        """How long a tombstone lasts (``done_seconds``, read at each call: tests shorten it)."""
+        return str(math.ceil(float(self._seconds(self.done_seconds, "done_seconds")) * 1000))
 
     def _release_and_wake(self, dispatch_lease_seconds: float, what: Sequence[bytes]) -> tuple[int, list[Woken]]:
         args: list[bytes | str] = [
@@ -585,8 +587,8 @@ class RedisStore(SlotStore):
             *what,
         ]
         # A replay after a lost reply finds the leases gone and wakes nothing: the waiters the
-        # lost reply named stay dispatched until their dispatch expires, then the sweep's
-        # wake dispatches them again (as after a releaser that died before publishing).
+        # lost reply named stay dispatched until their deadline, then ``recover`` dispatches them
+        # again (as after a releaser that died before publishing).
         reply = self._run("release", self._release_and_wake_script, self._waitlist_keys, args)
         return int(reply[0]), self._woken(reply[1:])
 
@@ -603,66 +605,63 @@ class RedisStore(SlotStore):
     def release_task_and_wake(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         return self._release_and_wake(dispatch_lease_seconds, [b"task", _encode(task_id)])
 
-    def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
-        args: list[bytes | str] = [
-            self._prefix,
-            _encode(task_id),
-            self._seconds(dispatch_lease_seconds),
-            _run_id_nonce(),
-        ]
-        reply = self._run("forget", self._forget, self._waitlist_keys, args)
-        return int(reply[0]), self._woken(reply[1:])
-
-    def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
+    def claim(
+        self, task_id: str, run_id: str, holder: str, lease_seconds: float, *, redelivered: bool = False
+    ) -> ClaimOutcome:
+        if not run_id:
+            raise ValueError("run_id must be non-empty")
         args: list[bytes | str] = [
             self._prefix,
             _encode(task_id),
             _encode(run_id),
             _encode(holder),
             self._seconds(lease_seconds),
+            "1" if redelivered else "0",
+            self._done_milliseconds(),
         ]
-        claimed, behind, elsewhere = self._run("claim", self._claim, self._waitlist_keys, args)
-        return Claimed(int(claimed), bool(int(behind)), bool(int(elsewhere)))
+        keys = [*self._waitlist_keys, self.done_key(task_id)]
+        return _CLAIM_OUTCOMES[bytes(self._run("claim", self._claim, keys, args))]
 
-    def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
-        args: list[bytes | str] = [self._prefix, self._seconds(dispatch_lease_seconds), _run_id_nonce()]
+    def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
+        args: list[bytes | str] = [
+            self._prefix,
+            _encode(task_id),
+            self._seconds(dispatch_lease_seconds),
+            _run_id_nonce(),
+            self._done_milliseconds(),
+        ]
+        keys = [*self._waitlist_keys, self.done_key(task_id)]
+        reply = self._run("forget", self._forget, keys, args)
+        return int(reply[0]), self._woken(reply[1:])
+
+    def recover(
+        self,
+        dispatch_lease_seconds: float,
+        *,
+        slots: Collection[str] | None = None,
+        readmit_before: float | None = None,
+    ) -> list[Woken]:
+        args: list[bytes | str] = [
+            self._prefix,
+            self._seconds(dispatch_lease_seconds),
+            _run_id_nonce(),
+            "" if readmit_before is None else self._seconds(readmit_before, "readmit_before"),
+        ]
         if slots is not None:
             named = sorted(set(slots))
             if not named:
                 return []
             args.extend(map(_encode, named))
-        return self._woken(self._run("wake", self._wake, self._waitlist_keys, args))
+        return self._woken(self._run("recover", self._recover, self._waitlist_keys, args))
 
-    def _mark_waiting(self, operation: str, hold_seconds: float, what: Sequence[bytes | str]) -> list[Woken]:
-        mark = uuid.uuid4().hex
-        args: list[bytes | str] = [self._prefix, mark, self._seconds(hold_seconds, "hold_seconds"), *what]
-        reply = self._run(operation, self._mark, self._waitlist_keys, args)
-        entries = [reply[i : i + 5] for i in range(0, len(reply), 5)]
-        # Oldest first, as the waiting lists order them: first deferral, park time, task id.
-        entries.sort(key=lambda entry: (float(entry[2]), bytes(entry[3]), bytes(entry[0])))
-        return [
-            Woken(_text(task_id), mark, bytes(payload), _text(task_name) or None)
-            for task_id, task_name, _first_deferred_at, _parked_at, payload in entries
+    def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
+        args: list[bytes | str] = [
+            self._prefix,
+            self._seconds(dispatch_lease_seconds),
+            _run_id_nonce(),
+            _encode(slot),
         ]
-
-    def expire_waiters(self, first_deferred_before: float, hold_seconds: float) -> list[Woken]:
-        return self._mark_waiting(
-            "expiring waiters",
-            hold_seconds,
-            [b"before", self._seconds(first_deferred_before, "first_deferred_before")],
-        )
-
-    def drain(self, slot: str, hold_seconds: float) -> list[Woken]:
-        return self._mark_waiting("draining waiters", hold_seconds, [b"slot", _encode(slot)])
-
-    def settle_published(self, published: Sequence[Woken], failed: Sequence[Woken] = ()) -> int:
-        args: list[bytes | str] = [self._prefix]
-        for outcome, woken in ((b"published", published), (b"failed", failed)):
-            for waiter in woken:
-                args.extend((outcome, _encode(waiter.task_id), _encode(waiter.run_id)))
-        if len(args) == 1:
-            return 0
-        return int(self._run("settling published waiters", self._settle, self._waitlist_keys, args))
+        return self._woken(self._run("readmit", self._readmit, self._waitlist_keys, args))
 
     def waiters(self, slot: str | None = None) -> list[Waiter]:
         args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]
@@ -683,77 +682,6 @@ class RedisStore(SlotStore):
                 )
             )
         return [waiter for name in sorted(by_slot) for waiter in by_slot[name]]
-
-    # -- standby --------------------------------------------------------------------
-
-    supports_standby = True
-
-    def signal_key(self, task_id: str) -> bytes:
-        """The list a dispatch pushes ``task_id``'s standby signal to."""
-        return self._prefix + b":standby:signal:" + _encode(task_id)
-
-    def stand_by(self, slots: Collection[str], per_slot: int, max_total: int, hold_seconds: float) -> list[Woken]:
-        if per_slot <= 0 or max_total <= 0 or not slots:
-            return []
-        args: list[bytes | str] = [
-            self._prefix,
-            str(int(per_slot)),
-            str(int(max_total)),
-            self._seconds(hold_seconds, "hold_seconds"),
-            _run_id_nonce(),
-            *(_encode(slot) for slot in sorted(set(slots))),
-        ]
-        return self._woken(self._run("stand_by", self._stand_by_script, self._waitlist_keys, args))
-
-    def standbys(self) -> list[Standby]:
-        reply = self._run("standbys", self._standbys, self._waitlist_keys, [self._prefix])
-        return sorted(
-            (
-                Standby(_text(reply[i]), _text(reply[i + 1]) or None, reply[i + 2] == b"1", float(reply[i + 3]))
-                for i in range(0, len(reply), 4)
-            ),
-            key=lambda standby: standby.task_id,
-        )
-
-    def _standby_step(self, task_id: str, mark: str, *step: bytes | str) -> list[bytes]:
-        args: list[bytes | str] = [self._prefix, _encode(task_id), _encode(mark), *step]
-        return [bytes(part) for part in self._run("await_standby", self._standby, self._waitlist_keys, args)]
-
-    @staticmethod
-    def _taken(reply: Sequence[bytes]) -> StandbyDispatch | None:
-        if reply[0] != b"taken":
-            return None
-        return StandbyDispatch(_text(reply[1]), claimed=reply[2] == b"claimed")
-
-    def await_standby(
-        self, task_id: str, mark: str, timeout: float, holder: str | None = None, lease_seconds: float | None = None
-    ) -> StandbyDispatch | None:
-        if holder is not None:
-            registered = self._standby_step(
-                task_id, mark, b"register", _encode(holder), self._seconds(lease_seconds or 0.0)
-            )
-        else:
-            registered = self._standby_step(task_id, mark, b"end")
-        if registered[0] != b"waiting":
-            return self._taken(registered)
-        signal = self.signal_key(task_id)
-        # Not past the standby's expiry: a dispatch would no longer take it.
-        deadline = time.monotonic() + min(timeout, float(registered[1]))
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                # In steps well inside the client's socket timeout.
-                popped = self._client.blpop([signal], timeout=min(remaining, 1.0))
-            except redis.RedisError as exc:
-                raise StoreError(f"await_standby failed on {self.display_url}: {type(exc).__name__}: {exc}") from exc
-            if popped is not None:
-                note_mark, _, taken = _text(popped[1]).partition(" ")
-                run_id, _, how = taken.partition(" ")
-                if note_mark == mark and run_id:
-                    return StandbyDispatch(run_id, claimed=how == "claimed")
-                if note_mark == mark:
-                    break  # the mark alone: the task left the waiting list (a revoke)
-        # Ends the standby, or finds that a dispatch took it just before.
-        return self._taken(self._standby_step(task_id, mark, b"end"))
 
     def after_fork(self) -> None:
         # A child must not talk over its parent's sockets.  redis-py's pool notices

@@ -1,42 +1,70 @@
--- celery-caps claim: a dispatched task arrived.  Its live dispatch leases become a
--- run lease (its holder, a full lease), and it leaves the waiting list.
+-- celery-caps claim: a copy of a task carrying dispatch run id D arrived; decide whether
+-- it runs, ends, or goes through admission (SlotStore.claim's table, row by row).
 --
--- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
--- ARGV: prefix, task id, run id (of the dispatch), holder, lease seconds
--- Returns { how many leases were claimed (0: the dispatch expired; admit as usual),
--- 1 if other tasks still wait for one of the claimed slots else 0,
--- 1 if nothing was claimed and the task is dispatched again to another run with a live
--- dispatch (its entry stays, for that run's copy; this copy ends) else 0 }.
+-- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches, the task's tombstone
+-- ARGV: prefix, task id, run id (D), holder, lease seconds, '1' if the broker redelivered the
+--       copy else '0', tombstone milliseconds
+-- Returns 'run', 'end' or 'admit'.
 
 local runs_key, expiry_key = KEYS[2], KEYS[3]
 local keys = waitlist_keys()
-local prefix, task_id, run_id, holder, lease_seconds = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local prefix, task_id, run_id, holder = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local lease_seconds, redelivered, done_milliseconds = tonumber(ARGV[5]), ARGV[6] == '1', tonumber(ARGV[7])
 local now = now_seconds()
 
-local claimed = 0
+if done_key(prefix, task_id) ~= KEYS[8] then
+  return redis.error_reply('celery-caps: key layout mismatch (tombstone key)')
+end
+
+-- D's leases, if D is a run of this task (a run id of another task is no dispatch of it).
 local run = read_run(runs_key, run_id)
-local expiry = redis.call('ZSCORE', expiry_key, run_id)
--- An expired dispatch is never revived: its room may belong to another task now.
-if run ~= nil and run[1] == task_id and expiry and tonumber(expiry) > now then
+if run ~= nil and run[1] ~= task_id then
+  run = nil
+end
+local live = false
+if run ~= nil then
+  local expiry = redis.call('ZSCORE', expiry_key, run_id)
+  live = expiry ~= false and tonumber(expiry) > now
+end
+local record = read_waiter(keys.waiting, task_id)
+
+-- The entry leaves the list; a tombstone stays if other copies may be on their way.
+local function settle()
+  settle_waiter(prefix, keys, task_id, record, record[RECORD_DISPATCHES] > 1, done_milliseconds, holder)
+end
+
+-- 1. Live dispatch leases: they become this copy's run; or they are this holder's run
+-- already (the same claim again, retried after its reply was lost).  (A run's leases share
+-- one holder and one expiry, so they are all live dispatch leases or none is.)
+if live and (run[2] == DISPATCH_HOLDER or run[2] == holder) then
   run[2] = holder
   redis.call('HSET', runs_key, run_id, cmsgpack.pack(run))
   extend_run(prefix, expiry_key, run_id, run, now + lease_seconds)
-  claimed = #run - 2
-end
-local record = read_waiter(keys.waiting, task_id)
-local elsewhere = 0
-if claimed == 0 and record ~= nil and record[4] ~= '' and record[4] ~= run_id and tonumber(record[5]) > now then
-  elsewhere = 1
-elseif record ~= nil then
-  remove_waiter(prefix, keys, task_id, record)
-end
-local behind = 0
-if claimed > 0 then
-  for i = 3, #run do
-    if redis.call('EXISTS', slot_key(prefix, run[i], 'waiters')) == 1 then
-      behind = 1
-      break
-    end
+  if record ~= nil and record[RECORD_RUN_ID] == run_id then
+    settle()
   end
+  return 'run'
 end
-return { claimed, behind, elsewhere }
+
+-- 2. Live, and held by the run of a copy that claimed first in another process.
+if live then
+  return redelivered and 'admit' or 'end'
+end
+
+-- 3. No live lease of D: what is left of it goes, and the entry decides.
+delete_dispatch(prefix, runs_key, expiry_key, task_id, run_id)
+if record == nil then
+  local done = read_done(KEYS[8])
+  if done == nil then
+    return 'admit'
+  end
+  -- The tombstone of this very claim (retried after its reply was lost, its leases expired
+  -- meanwhile) lets it through, as does a redelivery; any other copy ends.
+  local same_claim = done[1] == run_id and done[2] == holder
+  return (redelivered or same_claim) and 'admit' or 'end'
+end
+if record[RECORD_RUN_ID] ~= run_id then
+  return 'end'
+end
+settle()
+return 'admit'

@@ -1,50 +1,36 @@
--- celery-caps forget: a task is not to run (revoked, expired, dropped by an operator).  It
--- leaves the waiting list, its standby ends, its dispatch leases go (never a run's lease), and the slots
--- they held are dispatched to the oldest waiters with room, in one atomic step.
+-- celery-caps forget: a task is not to run (revoked, expired, dropped by an operator).  A
+-- waiting entry is deleted; a dispatched one becomes a tombstone (its copy may be on its
+-- way) and its dispatch leases go (never a run's lease), and the slots they held are
+-- dispatched to the oldest waiters with room, in one atomic step.
 --
--- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
--- ARGV: prefix, task id, dispatch lease seconds, run id nonce
--- Returns {waiting entries removed, task id, run id, task name, payload, ...} (the woken,
--- oldest first).
+-- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches, the task's tombstone
+-- ARGV: prefix, task id, dispatch lease seconds, run id nonce, tombstone milliseconds
+-- Returns {entries removed (0 or 1), task id, run id, task name, payload, readmit, ...}
+-- (the woken, oldest first).
 
 local runs_key, expiry_key = KEYS[2], KEYS[3]
 local keys = waitlist_keys()
 local prefix, task_id, lease_seconds, nonce = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local done_milliseconds = tonumber(ARGV[5])
 
--- Its standby that no dispatch took ends (first: remove_waiter deletes the record), and its
--- waiting process is told at once (the mark alone, no run id) rather than waiting on until its
--- wait is over.
-local standby = read_standby(prefix, task_id)
-if standby ~= nil and standby[3] == '' then
-  redis.call('HDEL', standby_key(prefix), task_id)
-  redis.call('DEL', signal_key(prefix, task_id))
-  redis.call('RPUSH', signal_key(prefix, task_id), standby[1])
-  redis.call('EXPIRE', signal_key(prefix, task_id), SIGNAL_SECONDS)
+if done_key(prefix, task_id) ~= KEYS[8] then
+  return redis.error_reply('celery-caps: key layout mismatch (tombstone key)')
 end
 
-local removed = 0
 local record = read_waiter(keys.waiting, task_id)
-if record ~= nil then
+if record == nil then
+  return { 0 }
+end
+if is_waiting(record) then
   remove_waiter(prefix, keys, task_id, record)
-  removed = (#record - RECORD_SLOTS + 1) / 2
+  return { 1 }
 end
 
-local deleted, freed = 0, {}
-for _, run_id in ipairs(redis.call('SMEMBERS', task_key(prefix, task_id))) do
-  local run = read_run(runs_key, run_id)
-  if run ~= nil and run[2] == DISPATCH_HOLDER then
-    deleted = deleted + delete_run(prefix, runs_key, expiry_key, run_id)
-    for i = 3, #run do
-      freed[#freed + 1] = run[i]
-    end
-  end
-end
-
-local reply = { removed }
-if deleted > 0 then
-  for _, value in ipairs(dispatch_waiters(prefix, runs_key, expiry_key, keys, freed, now_seconds(), lease_seconds,
-      nonce)) do
-    reply[#reply + 1] = value
-  end
+settle_waiter(prefix, keys, task_id, record, true, done_milliseconds, '')
+local freed = delete_dispatch(prefix, runs_key, expiry_key, task_id, record[RECORD_RUN_ID])
+local reply = { 1 }
+if #freed > 0 then
+  dispatch_waiters(prefix, runs_key, expiry_key, keys, freed, now_seconds(), lease_seconds,
+    run_id_source(runs_key, nonce), reply)
 end
 return reply

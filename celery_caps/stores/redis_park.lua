@@ -1,45 +1,56 @@
--- celery-caps park: admit like acquire if every slot has room, else put the task on
--- the waiting list of every slot it needs, in one atomic step (so a release that
--- ran before it is seen as room, and one that runs after it sees the waiter).
+-- celery-caps park: admission for the park strategy in one atomic step (so a release that
+-- ran before it is seen as room, and one that runs after it sees the waiter).  In this
+-- order: the task id waits (or is dispatched) already; every slot has room; no payload;
+-- a slot's list is full; else the task waits in the list of every slot it needs.
 --
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches, the task's run
---       set, then per slot: its runs, its tasks, its waiters
+--       set, the task's tombstone, then per slot: its runs, its tasks, its waiters
 -- ARGV: prefix, task id, run id, holder, lease seconds, task name ('' if none), payload,
---       first-deferral time, max waiters, '1' to admit or '0' (a task being sent, not
---       run), then per slot (sorted): name, limit
--- Returns 'admitted', 'room' (every slot has room but admit was '0': nothing taken,
--- nothing stored but the sentinels), 'parked' (also when the task id was parked already),
--- 'parked_first' (parked, and a slot's list held no other task) or 'waitlist_full' (a slot
--- has max waiters already; nothing stored).
+--       '1' if a payload is given else '0', first-deferral time, max waiters, '1' to admit
+--       or '0' (a task being sent, not run), then per slot (sorted): name, limit
+-- Returns 'waiting' (nothing changed), 'admitted', 'room' (every slot has room but admit
+-- was '0': nothing taken), 'full' (no payload: nothing stored), 'waitlist_full' (a slot
+-- has max waiters already: nothing stored) or 'parked'.  Only the sentinels are written
+-- in every case.
 
 local limits_key, runs_key, expiry_key = KEYS[1], KEYS[2], KEYS[3]
 local keys = waitlist_keys()
 local prefix, task_id, run_id, holder = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local lease_seconds, task_name, payload = tonumber(ARGV[5]), ARGV[6], ARGV[7]
-local first_deferred_at, max_waiters, admit = ARGV[8], tonumber(ARGV[9]), ARGV[10] == '1'
-local FIRST_SLOT = 11
+local lease_seconds, task_name, payload, has_payload = tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8] == '1'
+local first_deferred_at, max_waiters, admit = ARGV[9], tonumber(ARGV[10]), ARGV[11] == '1'
+local FIRST_SLOT = 12
+local FIRST_SLOT_KEY = 10
 local slot_count = (#ARGV - FIRST_SLOT + 1) / 2
 local now, now_text = now_with_text()
 
 -- Derive the keys the caller named, as acquire does: the two spellings must agree.
-if task_key(prefix, task_id) ~= KEYS[8] then
-  return redis.error_reply('celery-caps: key layout mismatch (task key)')
+if task_key(prefix, task_id) ~= KEYS[8] or done_key(prefix, task_id) ~= KEYS[9] then
+  return redis.error_reply('celery-caps: key layout mismatch (task keys)')
 end
-local names, limits = {}, {}
+local names, limits, waiters_keys = {}, {}, {}
 for i = 1, slot_count do
   local slot = ARGV[FIRST_SLOT + 2 * (i - 1)]
   names[i], limits[i] = slot, ARGV[FIRST_SLOT + 2 * (i - 1) + 1]
-  local base = 8 + 3 * (i - 1)
-  if slot_key(prefix, slot, 'runs') ~= KEYS[base + 1] or slot_key(prefix, slot, 'tasks') ~= KEYS[base + 2]
-      or slot_key(prefix, slot, 'waiters') ~= KEYS[base + 3] then
+  local base = FIRST_SLOT_KEY + 3 * (i - 1)
+  waiters_keys[i] = KEYS[base + 2]
+  if slot_key(prefix, slot, 'runs') ~= KEYS[base] or slot_key(prefix, slot, 'tasks') ~= KEYS[base + 1]
+      or slot_key(prefix, slot, 'waiters') ~= waiters_keys[i] then
     return redis.error_reply('celery-caps: key layout mismatch (slot keys)')
   end
+end
+
+for i = 1, slot_count do
+  remember_limit(limits_key, names[i], limits[i])
+end
+
+-- Its entry answers for the task (a duplicate, or a copy that arrived again).
+if redis.call('HEXISTS', keys.waiting, task_id) == 1 then
+  return 'waiting'
 end
 
 -- Admission, exactly as acquire.
 local full = false
 for i = 1, slot_count do
-  remember_limit(limits_key, names[i], limits[i])
   if not slot_has_room(prefix, names[i], tonumber(limits[i]), task_id, now) then
     full = true
   end
@@ -48,36 +59,36 @@ if not full then
   if not admit then
     return 'room'
   end
-  write_run(prefix, runs_key, expiry_key, task_id, run_id, holder, names, lease_seconds, now, task_name)
+  if slot_count > 0 then
+    write_run(prefix, runs_key, expiry_key, task_id, run_id, holder, names, lease_seconds, now, task_name)
+  end
   return 'admitted'
 end
 
--- A duplicate of a parked task waits once, at the first copy's place.
-if redis.call('HEXISTS', keys.waiting, task_id) == 1 then
-  return 'parked'
+if not has_payload then
+  return 'full'
 end
-local first = false
 for i = 1, slot_count do
-  local waiting = redis.call('ZCARD', KEYS[8 + 3 * i])
-  if waiting >= max_waiters then
+  if redis.call('ZCARD', waiters_keys[i]) >= max_waiters then
     return 'waitlist_full'
   end
-  first = first or waiting == 0
 end
 
-local record = { first_deferred_at, now_text, task_name, '', '', slots_signature(names, limits) }
+-- A new entry replaces a tombstone of the task id (this copy is the task's from now on), and
+-- keeps its count of dispatches: copies of the earlier dispatches may still be on their way.
+local done = read_done(KEYS[9])
+redis.call('DEL', KEYS[9])
+local dispatches = done ~= nil and done[3] or 0
+local record = { first_deferred_at, now_text, task_name, '', '', dispatches, slots_signature(names, limits) }
 for i = 1, slot_count do
   record[#record + 1] = names[i]
   record[#record + 1] = tonumber(limits[i])
 end
-redis.call('HSET', keys.waiting, task_id, cmsgpack.pack(record))
+write_waiter(keys.waiting, task_id, record)
 redis.call('HSET', keys.payloads, task_id, payload)
 local member = waiter_member(record, task_id)
 for i = 1, slot_count do
-  redis.call('ZADD', KEYS[8 + 3 * i], first_deferred_at, member)
+  redis.call('ZADD', waiters_keys[i], first_deferred_at, member)
   redis.call('SADD', keys.waitlists, names[i])
-end
-if first then
-  return 'parked_first'
 end
 return 'parked'

@@ -1,5 +1,6 @@
 -- celery-caps prune: delete the sentinels of slots no live lease holds and no parked
--- task waits for (waiting, dispatched or marked), with the expired leases of those slots.
+-- task waits for (waiting or dispatched), with the expired leases of those slots.
+-- Tombstones are left to expire by themselves.
 -- (Waking reads a waiter's limits from its record, not the sentinel, but a slot with
 -- waiters is in use: status keeps listing it, as on the other stores.)
 --

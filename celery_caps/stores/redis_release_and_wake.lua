@@ -5,8 +5,8 @@
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
 -- ARGV: prefix, dispatch lease seconds, run id nonce, then
 --       'run' and a run id | 'holder', a task id and a holder | 'task' and a task id
--- Returns {leases deleted, task id, run id, task name, payload, ...} (the woken,
--- oldest first; none when nothing was deleted).
+-- Returns {leases deleted, task id, run id, task name, payload, readmit ('0'), ...} (the
+-- woken, oldest first; none when nothing was deleted).
 
 local runs_key, expiry_key = KEYS[2], KEYS[3]
 local prefix, lease_seconds, nonce, mode = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
@@ -42,10 +42,5 @@ end
 if deleted == 0 then
   return { 0 }
 end
-local woken = dispatch_waiters(prefix, runs_key, expiry_key, waitlist_keys(), released, now_seconds(), lease_seconds,
-  nonce)
-local reply = { deleted }
-for _, value in ipairs(woken) do
-  reply[#reply + 1] = value
-end
-return reply
+return dispatch_waiters(prefix, runs_key, expiry_key, waitlist_keys(), released, now_seconds(), lease_seconds,
+  run_id_source(runs_key, nonce), { deleted })

@@ -1,5 +1,5 @@
 -- celery-caps waiters: the waiting list (of one slot, if a name is given), as
--- operators see it.
+-- operators see it (tombstones are not listed).
 --
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
 -- ARGV: prefix [, slot name]
@@ -19,10 +19,10 @@ for _, slot in ipairs(slots) do
     if record ~= nil then
       listed[#listed + 1] = slot
       listed[#listed + 1] = task_id
-      listed[#listed + 1] = record[3]
-      listed[#listed + 1] = record[1]
-      listed[#listed + 1] = string.format('%.6f', now - tonumber(record[2]))
-      listed[#listed + 1] = record[4] ~= '' and '1' or '0'
+      listed[#listed + 1] = record[RECORD_TASK_NAME]
+      listed[#listed + 1] = record[RECORD_FIRST_DEFERRAL]
+      listed[#listed + 1] = string.format('%.6f', now - tonumber(record[RECORD_PARKED]))
+      listed[#listed + 1] = is_waiting(record) and '0' or '1'
     end
   end
 end

@@ -2,22 +2,19 @@
 -- scripts.  redis.py prepends redis_common.lua and then this file to each of them.
 --
 -- Keys (the layout is described in redis.py's module docstring):
---   P:slot:{E}:waiters  ZSET  one entry per task waiting for the slot (dispatched or
+--   P:slot:{E}:waiters  ZSET  one member per task waiting for the slot (dispatched or
 --                             not): score = first-deferral time, member = park time
 --                             (fixed-width text of Redis TIME), the signature of the
 --                             task's slots (below), then the task id; so the set's own
 --                             order (score, then member bytes) is the waiting order:
 --                             first deferral, then park time (unique per park)
---   P:waiting           HASH  task id -> MessagePack record (below)
+--   P:waiting           HASH  task id -> MessagePack record (below), waiting or dispatched
 --   P:payloads          HASH  task id -> its message (opaque bytes)
 --   P:waitlists         SET   the slot names whose waiters set is not empty
---   P:dispatches        ZSET  dispatched task id -> dispatch expiry
---
--- A record: { first deferral (text), park time (text), task name ('' if none),
--- dispatch run id ('' while waiting), dispatch expiry (text, '' while waiting),
--- signature, slot name, limit, slot name, limit, ... } (slots sorted, limits as
--- parked).  The signature (16 hex digits of the SHA-1 of the slots and limits) lets a
--- release pass over waiters needing a slot it found full without reading their records.
+--   P:dispatches        ZSET  dispatched task id -> dispatch deadline
+--   P:done:<task id>    STRING  a tombstone: MessagePack { the claimed (or last) dispatch's run id,
+--                             the holder that claimed it ('' if forgotten), the entry's count of
+--                             dispatches }, expiring (PEXPIRE) after the store's done_seconds
 --
 -- Parking scripts take the same first KEYS: limits, runs, expiry, waiting, payloads,
 -- waitlists, dispatches.
@@ -30,45 +27,30 @@ local DISPATCH_HOLDER = 'caps-dispatch'
 local PARKED_WIDTH = 18
 local SIGNATURE_WIDTH = 16
 
--- Where a record's slot names and limits begin.
-local RECORD_SLOTS = 7
+-- A record: { first deferral (text), park time (text), task name ('' if none), dispatch
+-- run id ('' while waiting), dispatch deadline (text, '' while waiting), dispatches so far
+-- (with leases or without), signature, slot name, limit, slot name, limit, ... } (slots
+-- sorted, limits as parked).  The signature (16 hex digits of the SHA-1 of the slots and
+-- limits) lets a release pass over waiters needing a slot it found full without reading
+-- their records.
+local RECORD_FIRST_DEFERRAL = 1
+local RECORD_PARKED = 2
+local RECORD_TASK_NAME = 3
+local RECORD_RUN_ID = 4
+local RECORD_DEADLINE = 5
+local RECORD_DISPATCHES = 6
+local RECORD_SIGNATURE = 7
+local RECORD_SLOTS = 8
 
 -- Waiters fetched at a time while walking a slot's waiting list.
 local WALK_CHUNK = 128
 
--- Standby (see redis.py): P:standby HASH task id -> MessagePack { mark, expiry (number),
--- dispatch run id ('' until a dispatch takes it), holder ('' until its process waits),
--- lease seconds (number, 0 until then) }; P:standby:signal:<task id> LIST, the signals
--- ("<mark> <run id> claimed|dispatched") a dispatch pushes for the waiting process.
-local SIGNAL_SECONDS = 60
-
-local function standby_key(prefix)
-  return prefix .. ':standby'
-end
-
-local function signal_key(prefix, task_id)
-  return prefix .. ':standby:signal:' .. task_id
-end
-
-local function read_standby(prefix, task_id)
-  local packed = redis.call('HGET', standby_key(prefix), task_id)
-  if not packed then
-    return nil
-  end
-  return cmsgpack.unpack(packed)
-end
-
-local function write_standby(prefix, task_id, standby)
-  redis.call('HSET', standby_key(prefix), task_id, cmsgpack.pack(standby))
-end
-
--- A standby a dispatch can take: live and not taken yet.
-local function standby_open(standby, now)
-  return standby ~= nil and standby[3] == '' and standby[2] > now
-end
-
 local function waitlist_keys()
   return { waiting = KEYS[4], payloads = KEYS[5], waitlists = KEYS[6], dispatches = KEYS[7] }
+end
+
+local function done_key(prefix, task_id)
+  return prefix .. ':done:' .. task_id
 end
 
 local function read_waiter(waiting_key, task_id)
@@ -77,6 +59,31 @@ local function read_waiter(waiting_key, task_id)
     return nil
   end
   return cmsgpack.unpack(packed)
+end
+
+local function write_waiter(waiting_key, task_id, record)
+  redis.call('HSET', waiting_key, task_id, cmsgpack.pack(record))
+end
+
+local function is_waiting(record)
+  return record[RECORD_RUN_ID] == ''
+end
+
+local function record_slot_names(record)
+  local names = {}
+  for i = RECORD_SLOTS, #record, 2 do
+    names[#names + 1] = record[i]
+  end
+  return names
+end
+
+local function waits_for_one_of(record, slots)
+  for i = RECORD_SLOTS, #record, 2 do
+    if slots[record[i]] then
+      return true
+    end
+  end
+  return false
 end
 
 local function waiter_task_id(member)
@@ -88,7 +95,7 @@ local function waiter_signature(member)
 end
 
 local function waiter_member(record, task_id)
-  return record[2] .. record[6] .. task_id
+  return record[RECORD_PARKED] .. record[RECORD_SIGNATURE] .. task_id
 end
 
 -- The signature of a slot set: `names` and `limits` (texts) in slot order.
@@ -112,8 +119,8 @@ local function bytes_less(a, b)
   return #a < #b
 end
 
--- Take a parked task off the waiting list: its entry in each slot's list, its
--- record, its payload, its dispatch.
+-- Take an entry off the waiting list: its member in each slot's list, its record, its
+-- payload, its dispatch.
 local function remove_waiter(prefix, keys, task_id, record)
   local member = waiter_member(record, task_id)
   for i = RECORD_SLOTS, #record, 2 do
@@ -126,19 +133,122 @@ local function remove_waiter(prefix, keys, task_id, record)
   redis.call('HDEL', keys.waiting, task_id)
   redis.call('HDEL', keys.payloads, task_id)
   redis.call('ZREM', keys.dispatches, task_id)
-  redis.call('HDEL', standby_key(prefix), task_id)
 end
 
--- Dispatch, oldest first, every waiter in the waiting lists of `slots` whose every
--- slot has room now: a run under its own task id holding all its slots for
--- `lease_seconds` (holder DISPATCH_HOLDER).  A waiter that does not fit is passed
--- over and keeps its place.  Run ids are `nonce` (unique per call, from the caller:
--- a script's own random numbers repeat) followed by a counter.  Returns the woken
--- as a flat list: task id, run id, task name, payload, standby ('1': a standby process
--- was signalled instead, '0'), ...  A waiter on standby is taken for its dispatch; if its
--- process waits already, the run is created in that process's name with its lease length.
-local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, lease_seconds, nonce)
-  local woken = {}
+-- A dispatched entry leaves the list (claimed by `claimer`, or forgotten: claimer '').  With
+-- `tombstone`, a record of it stays for `done_milliseconds`, so that copies of its dispatches
+-- still on their way end rather than run the task again; it expires by itself, and nothing
+-- ever walks it.
+local function settle_waiter(prefix, keys, task_id, record, tombstone, done_milliseconds, claimer)
+  remove_waiter(prefix, keys, task_id, record)
+  if tombstone and done_milliseconds > 0 then
+    local done = cmsgpack.pack({ record[RECORD_RUN_ID], claimer, record[RECORD_DISPATCHES] })
+    redis.call('SET', done_key(prefix, task_id), done, 'PX', done_milliseconds)
+  end
+end
+
+-- The tombstone at `key` as { run id, claimer, dispatches }, or nil.
+local function read_done(key)
+  local packed = redis.call('GET', key)
+  if not packed then
+    return nil
+  end
+  return cmsgpack.unpack(packed)
+end
+
+-- Delete what is left of dispatch `run_id` of `task_id`: its dispatch leases, never a run's
+-- (once claimed, the holder is the claiming worker).  Returns the slot names freed (empty if
+-- none: a readmit has no leases).
+local function delete_dispatch(prefix, runs_key, expiry_key, task_id, run_id)
+  local run = read_run(runs_key, run_id)
+  if run == nil or run[1] ~= task_id or run[2] ~= DISPATCH_HOLDER then
+    return {}
+  end
+  delete_run(prefix, runs_key, expiry_key, run_id)
+  local freed = {}
+  for i = 3, #run do
+    freed[#freed + 1] = run[i]
+  end
+  return freed
+end
+
+-- Fresh run ids for the dispatches of one script: `nonce` (unique per call, from the caller:
+-- a script's own random numbers repeat) followed by a counter, skipping any in use.
+local function run_id_source(runs_key, nonce)
+  local sequence = 0
+  return function()
+    while true do
+      sequence = sequence + 1
+      local run_id = nonce .. string.format('%08x', sequence)
+      if redis.call('HEXISTS', runs_key, run_id) == 0 then
+        return run_id
+      end
+    end
+  end
+end
+
+-- Dispatch a waiting entry until now + `lease_seconds`: with leases (a run under its own task
+-- id holding all its slots, holder DISPATCH_HOLDER, so no newer task takes the room) or
+-- without (a readmit: its copy goes through admission again).  Appends it to `woken` as task
+-- id, run id, task name, payload, '1' for a readmit else '0'.
+local function dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, run_id, now, lease_seconds,
+    with_leases, woken)
+  if with_leases then
+    write_run(prefix, runs_key, expiry_key, task_id, run_id, DISPATCH_HOLDER, record_slot_names(record), lease_seconds,
+      now, record[RECORD_TASK_NAME])
+  end
+  record[RECORD_RUN_ID] = run_id
+  record[RECORD_DEADLINE] = score_text(now + lease_seconds)
+  record[RECORD_DISPATCHES] = record[RECORD_DISPATCHES] + 1
+  write_waiter(keys.waiting, task_id, record)
+  redis.call('ZADD', keys.dispatches, record[RECORD_DEADLINE], task_id)
+  woken[#woken + 1] = task_id
+  woken[#woken + 1] = run_id
+  woken[#woken + 1] = record[RECORD_TASK_NAME]
+  woken[#woken + 1] = redis.call('HGET', keys.payloads, task_id) or ''
+  woken[#woken + 1] = with_leases and '0' or '1'
+end
+
+-- Dispatch without leases every waiting entry among `members` (waiters members, any slots',
+-- a task's member the same in each of its lists), oldest first.
+local function readmit_members(prefix, runs_key, expiry_key, keys, members, now, lease_seconds, next_run_id, woken)
+  local entries, seen = {}, {}
+  for _, entry in ipairs(members) do
+    local task_id = waiter_task_id(entry.member)
+    if not seen[task_id] then
+      seen[task_id] = true
+      entries[#entries + 1] = entry
+    end
+  end
+  table.sort(entries, function(a, b)
+    if a.score ~= b.score then
+      return a.score < b.score
+    end
+    return bytes_less(a.member, b.member)
+  end)
+  for _, entry in ipairs(entries) do
+    local task_id = waiter_task_id(entry.member)
+    local record = read_waiter(keys.waiting, task_id)
+    if record ~= nil and is_waiting(record) then
+      dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, next_run_id(), now, lease_seconds, false,
+        woken)
+    end
+  end
+end
+
+-- The members (with their scores) of a slot's waiting list whose score is below `upper`
+-- (a ZRANGEBYSCORE bound), appended to `members`.
+local function collect_members(prefix, slot, upper, members)
+  local found = redis.call('ZRANGEBYSCORE', slot_key(prefix, slot, 'waiters'), '-inf', upper, 'WITHSCORES')
+  for i = 1, #found, 2 do
+    members[#members + 1] = { member = found[i], score = tonumber(found[i + 1]) }
+  end
+end
+
+-- Dispatch with leases, oldest first, every waiting entry in the waiting lists of `slots`
+-- whose every slot has room now.  A waiter that does not fit is passed over and keeps its
+-- place.  The woken are appended to `woken` (see dispatch_entry).
+local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, lease_seconds, next_run_id, woken)
   local room = {} -- slot_has_room's cache
   -- Slot signature -> the task-set key of the slot that refused a waiter with it:
   -- full for newcomers for the rest of the call, so later waiters with that
@@ -178,17 +288,6 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
     end
   end
 
-  local sequence = 0
-  local function new_run_id()
-    while true do
-      sequence = sequence + 1
-      local run_id = nonce .. string.format('%08x', sequence)
-      if redis.call('HEXISTS', runs_key, run_id) == 0 then
-        return run_id
-      end
-    end
-  end
-
   while true do
     -- Merge the lists: the oldest entry at the head of any open cursor.
     local best, best_member, best_score = nil, nil, nil
@@ -213,15 +312,13 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
     if blocking == nil or holds_live_lease(blocking, task_id, now) then
       record = read_waiter(keys.waiting, task_id)
     end
-    if record ~= nil and record[4] == '' then
-      local names = {}
+    if record ~= nil and is_waiting(record) then
       local fits = true
       for i = RECORD_SLOTS, #record, 2 do
         local slot = record[i]
-        names[#names + 1] = slot
         if not slot_has_room(prefix, slot, record[i + 1], task_id, now, room) then
           fits = false
-          blocked_by[record[6]] = slot_key(prefix, slot, 'tasks')
+          blocked_by[record[RECORD_SIGNATURE]] = slot_key(prefix, slot, 'tasks')
           -- The slot is full for newcomers, so (its waiters sharing its limit) nobody
           -- further down its own list fits either: stop walking it, which keeps a
           -- release's cost to the waiters it passes over while its slots have room.
@@ -234,33 +331,11 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
         end
       end
       if fits then
-        local run_id = new_run_id()
-        local holder, run_seconds = DISPATCH_HOLDER, lease_seconds
-        local standby = read_standby(prefix, task_id)
-        local signalled = standby_open(standby, now)
-        if signalled then
-          standby[3] = run_id
-          if standby[4] ~= '' then
-            holder, run_seconds = standby[4], standby[5]
-          end
-          write_standby(prefix, task_id, standby)
-          local how = holder == DISPATCH_HOLDER and 'dispatched' or 'claimed'
-          redis.call('RPUSH', signal_key(prefix, task_id), standby[1] .. ' ' .. run_id .. ' ' .. how)
-          redis.call('EXPIRE', signal_key(prefix, task_id), SIGNAL_SECONDS)
+        dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, next_run_id(), now, lease_seconds, true,
+          woken)
+        for i = RECORD_SLOTS, #record, 2 do
+          room[record[i]] = nil
         end
-        write_run(prefix, runs_key, expiry_key, task_id, run_id, holder, names, run_seconds, now, record[3])
-        for _, slot in ipairs(names) do
-          room[slot] = nil
-        end
-        record[4] = run_id
-        record[5] = score_text(now + lease_seconds)
-        redis.call('HSET', keys.waiting, task_id, cmsgpack.pack(record))
-        redis.call('ZADD', keys.dispatches, record[5], task_id)
-        woken[#woken + 1] = task_id
-        woken[#woken + 1] = run_id
-        woken[#woken + 1] = record[3]
-        woken[#woken + 1] = redis.call('HGET', keys.payloads, task_id) or ''
-        woken[#woken + 1] = signalled and '1' or '0'
       end
     end
   end

@@ -25,9 +25,13 @@ from redis.crc import key_slot
 from celery_caps.errors import ConfigurationError, StoreError
 from celery_caps.stores.base import (
     PARK_ADMITTED,
+    PARK_FULL,
+    PARK_LIST_FULL,
     PARK_PARKED,
     PARK_ROOM,
+    PARK_WAITING,
     Admission,
+    ClaimOutcome,
     SlotStatus,
     Woken,
     store_from_url,
@@ -260,10 +264,10 @@ def test_a_waiter_lives_in_the_hash_slot_of_the_slot_it_waits_for(
     # When the holder releases, the waiters run in turn, and nothing is left but the sentinels
     _, [first] = store.release_and_wake(held, DISPATCH_LEASE)
     assert first.task_id == "task-2"
-    store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE)
+    assert store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
     _, [second] = store.release_and_wake(first.run_id, DISPATCH_LEASE)
     assert second.task_id == "task-3"
-    store.claim(second.task_id, second.run_id, HOLDER, LONG_LEASE)
+    assert store.claim(second.task_id, second.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
     assert store.release(second.run_id) == 2
     assert written_keys(client, store) == {store.key_prefix.encode() + b":limits"}
 
@@ -279,15 +283,16 @@ def test_stores_with_different_key_prefixes_never_see_each_others_waiters(
     second.acquire({"licence": 1}, "task-b", second_run, HOLDER, LONG_LEASE)
     assert park(first, {"licence": 1}, "waiter", 1.0) == PARK_PARKED
 
-    # Then the second store neither lists, wakes, expires nor drains it
+    # Then the second store neither lists, recovers, readmits nor forgets it
     assert second.waiters() == []
-    assert second.wake(DISPATCH_LEASE) == []
-    assert second.expire_waiters(10.0, LONG_LEASE) == []
-    assert second.drain("licence", LONG_LEASE) == []
+    assert second.recover(DISPATCH_LEASE) == []
+    assert second.recover(DISPATCH_LEASE, readmit_before=10.0) == []
+    assert second.readmit("licence", DISPATCH_LEASE) == []
+    assert second.forget("waiter", DISPATCH_LEASE) == (0, [])
     # ... its own release hands nothing to the first store's waiter
     assert second.release_and_wake(second_run, DISPATCH_LEASE) == (1, [])
-    # ... nor can it claim for it
-    assert second.claim("waiter", first_run, HOLDER, LONG_LEASE) == 0
+    # ... nor does a claim there see it (nobody answers for the task in the second store)
+    assert second.claim("waiter", first_run, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
     assert [(w.slot, w.task_id, w.dispatched) for w in first.waiters()] == [("licence", "waiter", False)]
     # ... and the same task id parks in the second store on its own
     second.acquire({"licence": 1}, "task-c", new_run_id(), HOLDER, LONG_LEASE)
@@ -316,7 +321,7 @@ def test_equal_first_deferrals_are_served_in_park_order_by_redis_time(new_store:
     run = held
     for _ in range(3):
         _, [woken] = store.release_and_wake(run, DISPATCH_LEASE)
-        assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) == 1
+        assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
         served.append(woken.task_id)
         run = woken.run_id
     assert served == ["task-z", "task-m", "task-a"]
@@ -354,17 +359,18 @@ def test_park_times_and_dispatch_expiry_follow_redis_time_not_the_worker_clock(
 
     # When a short dispatch goes unclaimed, it expires by Redis TIME, not by the worker clock
     assert store.release(woken.run_id) == 1
-    store.claim("waiter", woken.run_id, HOLDER, LONG_LEASE)  # (released: nothing to claim) leaves the list
+    # (released: no lease left to claim; the copy takes the entry off the list)
+    assert store.claim("waiter", woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
     blocker = new_run_id()
     store.acquire({"licence": 1}, "blocker", blocker, HOLDER, LONG_LEASE)
     assert park(store, {"licence": 1}, "waiter", 1.0) == PARK_PARKED
     _, [short] = store.release_and_wake(blocker, 0.5)
-    assert store.wake(DISPATCH_LEASE) == []  # a day passed for the worker, not for Redis
+    assert store.recover(DISPATCH_LEASE) == []  # a day passed for the worker, not for Redis
     deadline = real_time() + 10.0
     again: list[Woken] = []
     while not again and real_time() < deadline:
         time.sleep(0.05)
-        again = store.wake(DISPATCH_LEASE)
+        again = store.recover(DISPATCH_LEASE)
     assert [(w.task_id, w.run_id != short.run_id) for w in again] == [("waiter", True)]
 
 
@@ -393,9 +399,9 @@ def test_payloads_and_names_come_back_byte_for_byte_even_through_a_decoding_clie
             BINARY_PAYLOAD + "tâsk-1".encode(),
             "pröj.task",
         )
-        [drained] = store.drain("ünï{cödé}", LONG_LEASE)
-        assert (drained.task_id, drained.payload) == ("tâsk-2", BINARY_PAYLOAD + "tâsk-2".encode())
-        assert store.settle_published([drained]) == 1
+        [readmitted] = store.readmit("ünï{cödé}", LONG_LEASE)
+        assert (readmitted.task_id, readmitted.payload) == ("tâsk-2", BINARY_PAYLOAD + "tâsk-2".encode())
+        assert store.claim("tâsk-2", readmitted.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
         assert [w.task_id for w in store.waiters()] == ["tâsk-1"]  # (still dispatched)
     finally:
         own_client.close()
@@ -461,11 +467,11 @@ def test_each_parking_step_is_one_round_trip(counting_store: RedisStore) -> None
     park(store, {"licence": 1}, "warm-up", 1.0)
     _, [warm] = store.release_and_wake(held, DISPATCH_LEASE)
     store.claim(warm.task_id, warm.run_id, HOLDER, LONG_LEASE)
-    store.wake(DISPATCH_LEASE)
+    store.recover(DISPATCH_LEASE)
+    store.readmit("nobody", DISPATCH_LEASE)
     store.forget("nobody", DISPATCH_LEASE)
     store.release_holder_and_wake("nobody", HOLDER, DISPATCH_LEASE)
-    store.expire_waiters(0.0, LONG_LEASE)
-    store.settle_published([Woken("nobody", "no-mark", b"")])
+    store.waiters()
 
     def in_one_trip(step: str, operation: Callable[[], _T]) -> _T:
         _CountingConnection.sent.clear()
@@ -473,27 +479,38 @@ def test_each_parking_step_is_one_round_trip(counting_store: RedisStore) -> None
         assert _CountingConnection.sent == ["EVALSHA"], f"{step}: {_CountingConnection.sent}"
         return result
 
-    # Then each step is one EVALSHA, whatever it does
-    assert in_one_trip("park (parked)", lambda: park(store, {"licence": 1}, "task-2", 2.0)) == PARK_PARKED
-    assert in_one_trip("park (admitted)", lambda: park(store, {"other": 1}, "task-3", 3.0)) == PARK_ADMITTED
+    def park_once(task_id: str, slots: dict[str, int], *, payload: bytes | None = b"message", **options: Any) -> str:
+        return in_one_trip(
+            f"park {task_id}",
+            lambda: store.park(
+                slots, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=payload, first_deferred_at=2.0,
+                **{"max_waiters": 10, **options},
+            ),
+        )  # fmt: skip
+
+    # Then each step is one EVALSHA, whatever it decides
+    assert park_once("task-2", {"licence": 1}) == PARK_PARKED
+    assert park_once("task-2", {"licence": 1}) == PARK_WAITING
+    assert park_once("task-x", {"licence": 1}, payload=None) == PARK_FULL
+    assert park_once("task-x", {"licence": 1}, max_waiters=1) == PARK_LIST_FULL
+    assert park_once("task-3", {"other": 1}) == PARK_ADMITTED
+    assert park_once("task-sent", {"free": 1}, admit=False) == PARK_ROOM
     _, [woken] = in_one_trip("release_and_wake", lambda: store.release_and_wake(warm.run_id, DISPATCH_LEASE))
-    assert in_one_trip("claim", lambda: store.claim("task-2", woken.run_id, HOLDER, LONG_LEASE)) == 1
-    assert in_one_trip("wake", lambda: store.wake(DISPATCH_LEASE)) == []
-    assert in_one_trip("wake (of some slots)", lambda: store.wake(DISPATCH_LEASE, ["licence"])) == []
-    sent = store.park(
-        {"free": 1}, "task-sent", new_run_id(), HOLDER, LONG_LEASE, payload=b"message", first_deferred_at=3.5,
-        max_waiters=10, admit=False,
-    )  # fmt: skip
-    assert sent == PARK_ROOM
-    # ... taking waiters off the list at least once: mark, settle (failed, then published)
+    claimed = in_one_trip("claim", lambda: store.claim("task-2", woken.run_id, HOLDER, LONG_LEASE))
+    assert claimed is ClaimOutcome.RUN
+    again = in_one_trip("claim (a duplicate)", lambda: store.claim("task-2", woken.run_id, "w9@h/9", LONG_LEASE))
+    assert again is ClaimOutcome.END
+    assert in_one_trip("recover", lambda: store.recover(DISPATCH_LEASE)) == []
+    assert in_one_trip("recover (of some slots)", lambda: store.recover(DISPATCH_LEASE, slots=["licence"])) == []
+    # ... readmits: past the maximum wait, then by an operator
     for task_id, first in (("task-4", 4.0), ("task-5", 5.0)):
         assert park(store, {"licence": 1}, task_id, first) == PARK_PARKED
-    marked = in_one_trip("expire_waiters", lambda: store.expire_waiters(4.5, LONG_LEASE))
-    assert [w.task_id for w in marked] == ["task-4"]
-    assert in_one_trip("settle_published (failed)", lambda: store.settle_published([], marked)) == 0
-    drained = in_one_trip("drain", lambda: store.drain("licence", LONG_LEASE))
-    assert [w.task_id for w in drained] == ["task-4", "task-5"]
-    assert in_one_trip("settle_published", lambda: store.settle_published(drained)) == 2
+    overdue = in_one_trip("recover (readmit)", lambda: store.recover(DISPATCH_LEASE, readmit_before=4.5))
+    assert [(w.task_id, w.readmit) for w in overdue] == [("task-4", True)]
+    drained = in_one_trip("readmit", lambda: store.readmit("licence", DISPATCH_LEASE))
+    assert [(w.task_id, w.readmit) for w in drained] == [("task-5", True)]
+    for readmitted in (*overdue, *drained):
+        assert store.claim(readmitted.task_id, readmitted.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
     # ... a dead holder's release, a forgotten dispatch and a revoked task's release, each with its wake
     assert park(store, {"licence": 1}, "task-6", 6.0) == PARK_PARKED
     deleted, [dispatched] = in_one_trip(
@@ -505,7 +522,69 @@ def test_each_parking_step_is_one_round_trip(counting_store: RedisStore) -> None
         1,
         [],
     )
-    assert store.leases() == [] and store.waiters() == []
+    assert in_one_trip("waiters", store.waiters) == []
+    assert store.leases() == []
+
+
+def test_a_tombstone_is_one_key_that_expires_by_itself_and_gives_way_to_a_new_park(
+    new_store: Callable[..., RedisStore], client: redis.Redis
+) -> None:
+    store = new_store()
+    store.done_seconds = 60.0
+    held = new_run_id()
+    store.acquire({"licence": 1}, "holder", held, HOLDER, LONG_LEASE)
+    assert park(store, {"licence": 1}, "waiter", 1.0) == PARK_PARKED
+    _, [woken] = store.release_and_wake(held, DISPATCH_LEASE)
+
+    # When the task is revoked while its dispatch is on the way
+    assert store.forget("waiter", DISPATCH_LEASE) == (1, [])
+
+    # Then it left every list and index, its payload with it: only its tombstone is left, a
+    # key that Redis deletes after done_seconds (by Redis TIME), which nothing ever walks
+    done = store.done_key("waiter")
+    assert written_keys(client, store) == {store.key_prefix.encode() + b":limits", done}
+    assert 55_000 < client.pttl(done) <= 60_000
+    assert store.waiters() == []
+    # ... and it answers for the task: the late copy ends
+    assert store.claim("waiter", woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
+
+    # When a new copy of the task parks, the tombstone gives way to its entry
+    store.acquire({"licence": 1}, "blocker", new_run_id(), HOLDER, LONG_LEASE)
+    assert park(store, {"licence": 1}, "waiter", 2.0) == PARK_PARKED
+    assert client.exists(done) == 0
+    assert store.claim("waiter", woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END  # (it waits)
+
+
+def test_a_claimed_entry_dispatched_once_leaves_nothing_and_one_dispatched_twice_a_tombstone(
+    new_store: Callable[..., RedisStore], client: redis.Redis
+) -> None:
+    store = new_store()
+    limits = store.key_prefix.encode() + b":limits"
+    held = new_run_id()
+    store.acquire({"licence": 1}, "holder", held, HOLDER, LONG_LEASE)
+    for task_id, first in (("once", 1.0), ("twice", 2.0)):
+        assert park(store, {"licence": 1}, task_id, first) == PARK_PARKED
+
+    # Given one waiter dispatched and claimed at the first try
+    _, [once] = store.release_and_wake(held, DISPATCH_LEASE)
+    assert store.claim("once", once.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert client.exists(store.done_key("once")) == 0
+
+    # and one whose first dispatch went unclaimed past its deadline, then a readmit, before a claim
+    _, [lost] = store.release_and_wake(once.run_id, 0.2)
+    assert lost.task_id == "twice"
+    deadline = time.monotonic() + 10.0
+    readmits: list[Woken] = []
+    while not readmits and time.monotonic() < deadline:
+        time.sleep(0.05)
+        readmits = store.recover(DISPATCH_LEASE, readmit_before=10.0)
+    [readmitted] = readmits
+    assert (readmitted.task_id, readmitted.readmit) == ("twice", True)
+    assert store.claim("twice", readmitted.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
+
+    # Then each dispatch counted: the one dispatched twice leaves a tombstone, the other nothing
+    assert written_keys(client, store) == {limits, store.done_key("twice")}
+    assert store.claim("twice", lost.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
 
 
 # -- hostile names -----------------------------------------------------------------------
@@ -589,7 +668,7 @@ def test_waiters_of_slots_with_braces_never_collide(new_store: Callable[..., Red
         task_id = f"{BRACE_NAMES[-number - 1]}#{number}"
         deleted, woken = store.release_and_wake(held[slot], DISPATCH_LEASE)
         assert (deleted, [(w.task_id, w.payload) for w in woken]) == (1, [(task_id, f"payload of {task_id}".encode())])
-        assert store.claim(task_id, woken[0].run_id, HOLDER, LONG_LEASE) == 1
+        assert store.claim(task_id, woken[0].run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
         assert store.release(woken[0].run_id) == 1
 
     # Then nothing but the sentinels is left: the Python and Lua spellings of the keys agree

@@ -16,14 +16,14 @@ is covered by ``test_stores.py`` with short real leases.
 
 The waiting list (park and wake) is checked against the in-memory store, the
 reference implementation of parking, by seeded random walks (long ones: a list
-must fill up before a release has waiters to pass over): admissions, parks (new
-and duplicate), releases that wake, claims (of live and of unknown dispatches),
-wakes, expiries and drains must give the same outcomes, the same woken tasks in
-the same order, and after every step the same waiting lists and leases.  It runs
-on stores whose waiting list is this test's alone — SQLite, Redis with its own key
-prefix, and PostgreSQL and MySQL/MariaDB in a schema (database) of their own —
-since ``wake`` and ``expire_waiters`` are store-wide, and would reach other test
-runs' waiters on the shared PostgreSQL or MySQL database.
+must fill up before a release has waiters to pass over): admissions, parks (new,
+duplicate, without a payload), releases that wake, claims (of live, repeated and
+unknown dispatches), recoveries, readmits (past a maximum wait, and by an
+operator) must give the same outcomes, the same woken tasks in the same order,
+and after every step the same waiting lists and leases.  It runs on stores whose
+waiting list is this test's alone — SQLite, Redis with its own key prefix, and
+PostgreSQL and MySQL/MariaDB in a schema (database) of their own — since
+``recover`` is store-wide.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test
 
-from celery_caps.stores.base import SlotStore, Woken, store_from_url
+from celery_caps.stores.base import ClaimOutcome, SlotStore, Woken, store_from_url
 from celery_caps.stores.memory import MemoryStore
 from tests.services import StoreKind, private_sql_url
 
@@ -225,12 +225,14 @@ PARKING_OPERATIONS = {
     "acquire": 2.0,
     "park": 4.0,
     "park_duplicate": 0.5,
+    "park_without_payload": 0.3,
     "release_and_wake": 5.0,
     "claim": 4.0,
+    "claim_again": 0.3,
     "claim_unknown": 0.3,
-    "wake": 0.5,
-    "expire_waiters": 0.2,
-    "drain": 0.2,
+    "recover": 0.5,
+    "readmit_overdue": 0.2,
+    "readmit": 0.2,
 }
 PARKING_STEPS = 400
 
@@ -254,6 +256,7 @@ class ParkingWalk:
         self.random = random.Random(seed)
         self.held: list[RunPair] = []  # runs holding leases
         self.dispatched: list[tuple[str, RunPair]] = []  # woken, not claimed yet
+        self.claimed: list[tuple[str, RunPair]] = []  # claimed dispatches
         self.waiting: list[str] = []  # parked task ids, not dispatched
         self.parked = 0
         self.woken = 0  # how many dispatches the walk saw (a walk without any proves little)
@@ -268,8 +271,8 @@ class ParkingWalk:
 
     def agree_on_woken(self, expected: list[Woken], got: list[Woken]) -> None:
         got = self.own(got)
-        assert [(w.task_id, w.payload, w.task_name) for w in got] == [
-            (w.task_id, w.payload, w.task_name) for w in expected
+        assert [(w.task_id, w.payload, w.task_name, w.readmit) for w in got] == [
+            (w.task_id, w.payload, w.task_name, w.readmit) for w in expected
         ]
         for theirs, mine in zip(expected, got, strict=True):
             self.dispatched.append((mine.task_id, RunPair(theirs.run_id, mine.run_id)))
@@ -314,6 +317,25 @@ class ParkingWalk:
         if expected == "admitted":
             self.held.append(RunPair(run_id, run_id))
 
+    def park_without_payload(self) -> None:
+        slots, task_id = self.slots(), f"{self.space}x{uuid.uuid4().hex[:6]}"
+        run_id = uuid.uuid4().hex
+        expected, got = self.both(
+            lambda store: store.park(
+                slots,
+                task_id,
+                run_id,
+                WAITER_HOLDER,
+                PARK_LEASE_SECONDS,
+                payload=None,
+                first_deferred_at=0.0,
+                max_waiters=100,
+            )
+        )
+        assert got == expected, (slots, task_id)
+        if expected == "admitted":
+            self.held.append(RunPair(run_id, run_id))
+
     def park_duplicate(self) -> None:
         if not self.waiting:
             return
@@ -346,46 +368,47 @@ class ParkingWalk:
         if any(w.slot in released and not w.dispatched for w in self.reference.waiters()):
             self.passed_over += 1
 
+    def claim_pair(self, task_id: str, run: RunPair, holder: str = WAITER_HOLDER) -> ClaimOutcome:
+        expected = self.reference.claim(task_id, run.reference, holder, PARK_LEASE_SECONDS)
+        assert self.tested.claim(task_id, run.tested, holder, PARK_LEASE_SECONDS) is expected, (task_id, expected)
+        return expected
+
     def claim(self) -> None:
         if not self.dispatched:
             return
         task_id, run = self.dispatched.pop(self.random.randrange(len(self.dispatched)))
-        expected = self.reference.claim(task_id, run.reference, WAITER_HOLDER, PARK_LEASE_SECONDS)
-        assert self.tested.claim(task_id, run.tested, WAITER_HOLDER, PARK_LEASE_SECONDS) == expected
-        if expected:
+        if self.claim_pair(task_id, run) is ClaimOutcome.RUN:
             self.held.append(run)
+            self.claimed.append((task_id, run))
+
+    def claim_again(self) -> None:
+        # A claim repeated by its process (its reply was lost), or presented by another one.
+        if not self.claimed:
+            return
+        task_id, run = self.random.choice(self.claimed)
+        self.claim_pair(task_id, run, self.random.choice([WAITER_HOLDER, HOLDERS[1]]))
 
     def claim_unknown(self) -> None:
-        # A stale or foreign run id claims nothing, but the task leaves the waiting list.
+        # A stale or foreign run id: the task's entry answers for it (the copy ends).
         if not self.waiting:
             return
         task_id, run_id = self.random.choice(self.waiting), uuid.uuid4().hex
         expected, got = self.both(lambda store: store.claim(task_id, run_id, WAITER_HOLDER, PARK_LEASE_SECONDS))
-        assert got == expected
+        assert got is expected
 
-    def wake(self) -> None:
-        expected, got = self.both(lambda store: store.wake(PARK_LEASE_SECONDS))
+    def recover(self) -> None:
+        expected, got = self.both(lambda store: store.recover(PARK_LEASE_SECONDS))
         self.agree_on_woken(self.own(expected), got)
 
-    def expire_waiters(self) -> None:
+    def readmit_overdue(self) -> None:
         before = float(self.random.randint(0, 50))
-        expected, got = self.both(lambda store: store.expire_waiters(before, PARK_LEASE_SECONDS))
-        self.settle(expected, self.own(got))
+        expected, got = self.both(lambda store: store.recover(PARK_LEASE_SECONDS, readmit_before=before))
+        self.agree_on_woken(self.own(expected), got)
 
-    def drain(self) -> None:
+    def readmit(self) -> None:
         slot = self.space + self.random.choice(sorted(LIMITS))
-        expected, got = self.both(lambda store: store.drain(slot, PARK_LEASE_SECONDS))
-        self.settle(expected, got)
-
-    def settle(self, expected: list[Woken], got: list[Woken]) -> None:
-        """Both stores took the same waiters off (marks are each store's own); their publish
-        then succeeded or failed, at random, the same way in both."""
-        assert [(w.task_id, w.payload) for w in got] == [(w.task_id, w.payload) for w in expected]
-        outcomes = [self.random.random() < 0.7 for _ in expected]
-        for store, taken in ((self.reference, expected), (self.tested, got)):
-            published = [waiter for waiter, ok in zip(taken, outcomes, strict=True) if ok]
-            failed = [waiter for waiter, ok in zip(taken, outcomes, strict=True) if not ok]
-            store.settle_published(published, failed)
+        expected, got = self.both(lambda store: store.readmit(slot, PARK_LEASE_SECONDS))
+        self.agree_on_woken(expected, got)
 
     def check(self) -> None:
         """Both stores list the same waiting lists (order, positions, dispatched) and leases."""
@@ -427,7 +450,7 @@ def test_every_waiting_list_behaves_like_the_reference(
     if store_kind.id == "memory":
         pytest.skip("the in-memory store is the reference")
     if store_kind.shared:
-        pytest.skip("wake and expire_waiters are store-wide: the private-space test below walks this store")
+        pytest.skip("recover is store-wide: the private-space test below walks this store")
     _walk_and_check(store, f"{prefix}{seed}-", seed, store_kind.id)
 
 

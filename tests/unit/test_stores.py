@@ -362,51 +362,6 @@ def test_postgresql_hands_over_without_waiting_for_the_wal_flush_but_parks_and_a
 
 
 @pytest.mark.postgres
-def test_a_standby_connection_stops_listening_once_its_wait_is_over_but_never_ends_a_newer_listen() -> None:
-    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
-
-    store = SQLAlchemyStore(require_service("postgres"))
-    try:
-        driver = store._driver_connections()
-        assert driver is not None
-
-        def channels(connection: Any, _row: Any = None) -> list[str]:
-            return [row[0] for row in connection.execute("SELECT pg_listening_channels()")]
-
-        def listening(channel: str, work: Callable[[Any, Any], list[str]]) -> list[str]:
-            return driver.listening(channel, "SELECT 1", {}, work)
-
-        # When a standby's wait on its channel is over
-        assert listening("caps_test_a", channels) == ["caps_test_a"]
-
-        # Then its connection stops listening (PostgreSQL wakes every listener on each NOTIFY),
-        # soon, from another thread
-        connection = driver._connection().driver_connection
-        deadline = time.monotonic() + 5
-        while channels(connection) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert channels(connection) == []
-
-        # Given the UNLISTEN of a standby that is over, held back (its thread busy)
-        unlistener = driver._unlistener
-        assert unlistener is not None
-        go_on = threading.Event()
-        unlistener.submit(go_on.wait, 10)
-        listening("caps_test_b", channels)
-
-        # When the next standby listens, and that UNLISTEN runs while it waits
-        def wait_while_the_old_unlisten_runs(connection: Any, _row: Any) -> list[str]:
-            go_on.set()
-            unlistener.submit(lambda: None).result(10)
-            return channels(connection)
-
-        # Then the new standby goes on listening to its channel
-        assert listening("caps_test_c", wait_while_the_old_unlisten_runs) == ["caps_test_c"]
-    finally:
-        store.close()
-
-
-@pytest.mark.postgres
 def test_a_warm_up_that_fails_midway_closes_its_connection_and_raises_a_store_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1195,40 +1150,6 @@ def test_history_stays_within_its_age_and_size(store: SlotStore, store_kind: Sto
     assert store.history(0) == [*recent[2:], *newer]
 
 
-@pytest.mark.sqlite
-@pytest.mark.parametrize("create_schema", [True, False], ids=["upgraded", "left-alone"])
-def test_a_table_from_before_lease_details_keeps_working(tmp_path: Any, create_schema: bool) -> None:
-    import sqlalchemy as sa
-
-    from celery_caps.stores.base import store_from_url
-
-    # Given a concurrency_slots table as the first release created it (no task_name, acquired_at)
-    url = f"sqlite:///{tmp_path}/old.db"
-    engine = sa.create_engine(url)
-    with engine.begin() as connection:
-        connection.exec_driver_sql(
-            "CREATE TABLE concurrency_slots (run_id VARCHAR(64) NOT NULL, slot VARCHAR(251) NOT NULL, "
-            "task_id VARCHAR(255) DEFAULT '' NOT NULL, holder VARCHAR(255) DEFAULT '' NOT NULL, "
-            "expires_at FLOAT, slot_limit INTEGER, PRIMARY KEY (run_id, slot))"
-        )
-    engine.dispose()
-    store = store_from_url(url, create_schema=create_schema)
-    try:
-        # When a worker of this version admits a named task
-        run_id = new_run_id()
-        assert store.acquire({"provider": 1}, "t1", run_id, HOLDER, LONG_LEASE, task_name="proj.task").granted
-        [lease] = store.leases()
-        # Then the table was upgraded and shows the details, or left alone and still works
-        if create_schema:
-            assert (lease.task_name, lease.age is not None) == ("proj.task", True)
-        else:
-            assert (lease.task_name, lease.age) == (None, None)
-        assert not store.acquire({"provider": 1}, "t2", new_run_id(), HOLDER, LONG_LEASE).granted
-        assert store.release(run_id) == 1
-    finally:
-        store.close()
-
-
 # -- park and wake: the waiting list (stores with supports_parking) -----------------
 #
 # The entry states and the claim's decisions are those of SlotStore.claim's docstring and
@@ -1401,7 +1322,9 @@ def test_a_second_copy_of_a_claimed_dispatch_ends_unless_the_broker_redelivered_
     woken = dispatch_one(store, slot, f"{prefix}t")
     assert store.claim(woken.task_id, woken.run_id, "w1@h/1", LONG_LEASE) is ClaimOutcome.RUN
 
-    # A duplicate (a copy of the same dispatch) ends: the live run answers for the task
+    # The same claim again (its reply was lost and the client retried it) runs: it is that run
+    assert store.claim(woken.task_id, woken.run_id, "w1@h/1", LONG_LEASE) is ClaimOutcome.RUN
+    # A duplicate (a copy of the same dispatch in another process) ends: the live run answers for it
     assert store.claim(woken.task_id, woken.run_id, "w2@h/2", LONG_LEASE) is ClaimOutcome.END
     # ... unless the broker redelivered it (its first run may have died): it goes through admission
     claimed = store.claim(woken.task_id, woken.run_id, "w2@h/2", LONG_LEASE, redelivered=True)
@@ -1486,10 +1409,38 @@ def test_an_unclaimed_dispatch_is_dispatched_again_and_the_late_copy_ends_even_a
     assert store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
     claimed = store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE, redelivered=True)
     assert claimed is ClaimOutcome.ADMIT
-    # A new copy of the task without a dispatch parks afresh (the tombstone gives way)
-    admit(store, {slot: 1}, f"{prefix}busy")
+    # A new copy of the task without a dispatch (a retry) parks afresh: the tombstone gives way
+    busy = admit(store, {slot: 1}, f"{prefix}busy")
     assert park(store, {slot: 1}, first.task_id, 9.0) == PARK_PARKED
     assert listed(store, slot) == [(first.task_id, False)]
+    # ... the old copy still ends (the list answers), and once this new entry is claimed after a
+    # single dispatch, it leaves a tombstone all the same: its count of dispatches carried over
+    assert store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
+    _, [third] = store.release_and_wake(busy, DISPATCH_LEASE)
+    assert store.claim(third.task_id, third.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
+
+
+def test_a_claim_retried_after_its_reply_was_lost_runs_even_once_its_leases_expired(
+    store: SlotStore, prefix: str
+) -> None:
+    # Claim rows 1 and 3: a claim is repeatable by the process that made it.
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    first = dispatch_one(store, slot, f"{prefix}t", lease=SHORT_LEASE)
+    wait_until_expired(store, [first.run_id])
+    [again] = store.recover(DISPATCH_LEASE, slots=[slot])  # dispatched twice: a tombstone follows
+    # Given a claim that took the task, whose reply was lost (the store went away)
+    assert store.claim(again.task_id, again.run_id, "w1@h/1", SHORT_LEASE) is ClaimOutcome.RUN
+    # When it is retried by the same process: it runs (its leases are its own)
+    assert store.claim(again.task_id, again.run_id, "w1@h/1", SHORT_LEASE) is ClaimOutcome.RUN
+    # ... and once they expired (the store was away longer than a lease), it goes through
+    # admission: the tombstone is its own claim's
+    wait_until_expired(store, [again.run_id])
+    assert store.claim(again.task_id, again.run_id, "w1@h/1", LONG_LEASE) is ClaimOutcome.ADMIT
+    # Another process presenting that dispatch, or this one presenting the older dispatch, ends
+    assert store.claim(again.task_id, again.run_id, "w2@h/2", LONG_LEASE) is ClaimOutcome.END
+    assert store.claim(first.task_id, first.run_id, "w1@h/1", LONG_LEASE) is ClaimOutcome.END
 
 
 def test_the_sweep_deletes_tombstones_once_they_are_old(store: SlotStore, prefix: str) -> None:

@@ -1,0 +1,603 @@
+"""The park protocol against a simulated fleet, on every store (hypothesis, stateful).
+
+What is real: the store (memory, SQLite, PostgreSQL, MySQL/MariaDB, Redis), the
+arrival decision of :func:`celery_caps.park.decide`, and the library's own rules
+for which headers a copy carries (:mod:`celery_caps.backoff`).  What is simulated,
+as Celery and its brokers behave (``shared/CELERY-NOTES.md``):
+
+- a broker that delivers at least once: a worker *reserves* messages into a
+  prefetch buffer, unacknowledged; a worker that dies has every unacknowledged
+  message delivered again, marked redelivered;
+- workers of one process, each running the steps a Celery worker runs for a capped
+  task, each step a rule, so that a worker can die between any two: decide (the
+  claim and admission), acknowledge; end the body, release (which dispatches
+  waiters), publish the woken copies (and a retry's copy), acknowledge;
+- a retry: a copy of the message with every header the library keeps, published
+  before the original is acknowledged, as ``Task.retry`` does;
+- a store that goes away (each call fails before it commits, or after: the reply is
+  lost) and comes back;
+- recovery calls (``SlotStore.recover``) at any point, by any worker, whose
+  publishes can be lost;
+- time: leases and dispatches expire (a test clock for the memory store, real
+  seconds for the others).
+
+Invariants, after every step: running task ids per cap never exceed its limit; a
+body of one attempt (task id, retries) runs again, or two run at once, only after a
+copy of that task was redelivered.  At the end (faults stop, time passes, workers
+keep working): every task sent has finished at least once.
+
+Time never passes while the store is away: a running task's lease cannot be renewed
+then, and once it expired the cap may admit another (the documented lease window,
+``caps_on_lease_lost``), which is not what this test is about.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from celery_caps import backoff, park
+from celery_caps.errors import StoreError
+from celery_caps.stores.base import SlotStore, Woken
+from celery_caps.stores.memory import MemoryStore
+from tests.services import StoreTarget, new_prefix
+
+#: Cap (slot suffix) -> limit.
+LIMITS = {"g": 2, "k:a": 1, "k:b": 1}
+#: Task -> the caps it needs.
+TASKS = {
+    "t0": ("g", "k:a"),
+    "t1": ("g", "k:a"),
+    "t2": ("g", "k:b"),
+    "t3": ("k:b",),
+    "t4": ("g",),
+    "t5": ("k:a",),
+}
+WORKERS = ("w1", "w2")
+PREFETCH = 2
+MAX_RETRIES = 1
+
+
+class Clock:
+    """The test's time: a counter for the memory store, real seconds for the others."""
+
+    def __init__(self, simulated: bool) -> None:
+        self.simulated = simulated
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now if self.simulated else time.time()
+
+    def advance(self, seconds: float) -> None:
+        if self.simulated:
+            self.now += seconds
+        else:
+            time.sleep(seconds)
+
+
+class FlakyStore:
+    """The store, behind a switch: ``up``; ``down`` (a call fails before it reaches the store);
+    ``lossy`` (a call runs, then fails as if its reply were lost)."""
+
+    def __init__(self, store: SlotStore) -> None:
+        self.store = store
+        self.mode = "up"
+        self.supports_parking = True
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.mode == "down":
+                raise StoreError(f"{name}: the store is away (simulated)")
+            result = method(*args, **kwargs)
+            if self.mode == "lossy":
+                raise StoreError(f"{name}: the reply was lost (simulated)")
+            return result
+
+        return call
+
+
+@dataclass
+class Message:
+    mid: int
+    task: str
+    retries: int
+    headers: dict[str, Any]
+    redelivered: bool = False
+    #: The worker holding it unacknowledged (None: in the queue).
+    holder: str | None = None
+
+
+@dataclass
+class Process:
+    """A worker's one pool process and where it is in the steps of a task."""
+
+    message: Message | None = None
+    #: idle, deciding (a copy carrying a dispatch, retrying after a store error), running,
+    #: ended (body over), released, acking
+    phase: str = "idle"
+    run_id: str | None = None
+    #: The run id this copy's admission uses (the same on every try).
+    new_run_id: str = ""
+    retry: bool = False
+    woken: list[Woken] = field(default_factory=list)
+
+
+@dataclass
+class Worker:
+    name: str
+    generation: int = 0
+    alive: bool = True
+    process: Process = field(default_factory=Process)
+    #: Run ids whose release failed (store away): retried by the keeper, as CapsRuntime does.
+    pending_releases: list[str] = field(default_factory=list)
+
+    @property
+    def holder(self) -> str:
+        return f"{self.name}@model/{self.generation}"
+
+
+def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedStateMachine]:
+    """A state machine class on a fresh memory store (``target`` None) or on ``target``'s store."""
+
+    lease = 10.0 if simulated else 0.6
+    dispatch_lease = 6.0 if simulated else 0.4
+    shared: dict[str, SlotStore] = {}
+
+    class ParkProtocol(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.clock = Clock(simulated)
+            if target is None:
+                self.real_store: SlotStore = MemoryStore(clock=self.clock.time)
+            else:
+                if "store" not in shared:
+                    shared["store"] = target.open()
+                self.real_store = shared["store"]
+            self.store = FlakyStore(self.real_store)
+            self.space = new_prefix()
+            self.slots = {task: {self.slot(cap): LIMITS[cap] for cap in caps} for task, caps in TASKS.items()}
+            self.all_slots = sorted({slot for slots in self.slots.values() for slot in slots})
+            self.queue: list[Message] = []  # every unacknowledged message, held or not
+            self.mids = itertools.count()
+            self.workers = {name: Worker(name) for name in WORKERS}
+            self.sent: set[str] = set()
+            self.finished: Counter[str] = Counter()
+            self.starts: Counter[tuple[str, int]] = Counter()
+            self.redelivered_tasks: set[str] = set()
+            #: What happened, for the failure messages.
+            self.log: list[str] = []
+
+        def note(self, text: str) -> None:
+            self.log.append(text.replace(self.space, ""))
+
+        def history(self) -> str:
+            lines = [line for line in self.log if line not in ("recover: woke ", "time passes: 1.2 dispatch leases")]
+            return "\n  ".join(["what happened (recoveries that woke nobody left out):", *lines[-120:]])
+
+        def slot(self, cap: str) -> str:
+            return f"{self.space}{cap}"
+
+        def task_id(self, task: str) -> str:
+            return f"{self.space}{task}"
+
+        def task_of(self, task_id: str) -> str:
+            return task_id.removeprefix(self.space)
+
+        # -- the broker ----------------------------------------------------------------
+
+        def publish(self, task: str, retries: int, headers: dict[str, Any]) -> None:
+            message = Message(next(self.mids), task, retries, headers)
+            self.note(f"publish m{message.mid} {task}/{retries} dispatch={headers.get(park.DISPATCH_HEADER, '-')[:6]}")
+            self.queue.append(message)
+
+        def publish_woken(self, woken: list[Woken]) -> None:
+            for waiter in woken:
+                parked = json.loads(waiter.payload)
+                headers = {**parked["headers"], park.DISPATCH_HEADER: waiter.run_id}
+                self.publish(parked["task"], parked["retries"], headers)
+
+        def ack(self, message: Message) -> None:
+            self.note(f"ack m{message.mid}")
+            self.queue.remove(message)
+
+        def ready(self) -> list[Message]:
+            return [message for message in self.queue if message.holder is None]
+
+        def held_by(self, worker: Worker) -> list[Message]:
+            return [message for message in self.queue if message.holder == worker.name]
+
+        # -- rules: sending, delivery, and the steps of a worker --------------------------
+
+        @initialize(tasks=st.sets(st.sampled_from(sorted(TASKS)), min_size=3))
+        def send(self, tasks: set[str]) -> None:
+            for task in sorted(tasks):
+                self.sent.add(task)
+                self.publish(task, 0, {})
+
+        def able(self, phase: str | None = None) -> list[Worker]:
+            """The live workers (whose process is in ``phase``, if given)."""
+            return [w for w in self.workers.values() if w.alive and (phase is None or w.process.phase == phase)]
+
+        def can_deliver(self) -> list[Worker]:
+            return [w for w in self.able() if len(self.held_by(w)) < PREFETCH + 1] if self.ready() else []
+
+        def can_start(self) -> list[Worker]:
+            return [w for w in self.able("idle") if self.held_by(w)]
+
+        @precondition(lambda self: self.can_deliver())
+        @rule(pick=st.integers(0, 50), which=st.integers(0, 50))
+        def deliver(self, pick: int, which: int = 0) -> None:
+            workers = self.can_deliver()
+            ready = self.ready()
+            if workers and ready:
+                ready[pick % len(ready)].holder = workers[which % len(workers)].name
+
+        @precondition(lambda self: self.can_start())
+        @rule(pick=st.integers(0, 50), which=st.integers(0, 50))
+        def start(self, pick: int, which: int = 0) -> None:
+            """The pool process takes a reserved message: the claim and admission (park.decide)."""
+            workers = self.can_start()
+            if not workers:
+                return
+            state = workers[which % len(workers)]
+            waiting = self.held_by(state)
+            state.process.message = waiting[pick % len(waiting)]
+            state.process.new_run_id = uuid.uuid4().hex
+            self.decide(state)
+
+        @precondition(lambda self: self.able("deciding"))
+        @rule(which=st.integers(0, 50))
+        def decide_again(self, which: int = 0) -> None:
+            """A copy carrying a dispatch that met a store error tries again (park.admit's loop)."""
+            for state in self.pick("deciding", which):
+                self.decide(state)
+
+        def decide(self, state: Worker) -> None:
+            process = state.process
+            message = process.message
+            assert message is not None
+            dispatch = message.headers.get(park.DISPATCH_HEADER)
+            first = backoff.first_deferred_at(SimpleNamespace(headers=message.headers)) or self.clock.time()
+            arrival = park.Arrival(
+                task_id=self.task_id(message.task),
+                task_name="model.task",
+                slots=self.slots[message.task],
+                holder=state.holder,
+                dispatch_run_id=dispatch,
+                redelivered=message.redelivered,
+                first_deferred_at=first,
+            )
+            request = SimpleNamespace(headers=message.headers)
+            deferrals = backoff.deferrals_of(request)
+
+            def payload() -> bytes:
+                headers = backoff.republish_headers(request, deferrals, first)
+                return json.dumps({"task": message.task, "retries": message.retries, "headers": headers}).encode()
+
+            run_id = process.new_run_id
+            try:
+                decision = park.decide(
+                    self.store, arrival, run_id, payload, lease_seconds=lease, max_waiters=1000,  # type: ignore[arg-type]
+                    max_payload_bytes=65536, now=self.clock.time(),
+                )  # fmt: skip
+            except StoreError as exc:
+                if dispatch:
+                    # As park.admit: a copy carrying a dispatch waits in its process and tries again.
+                    self.note(f"{state.holder} m{message.mid} {message.task}: {exc}; tries again")
+                    process.phase = "deciding"
+                    return
+                # As park.admit: release what the failing call may have committed, once the store
+                # answers; put the copy back; acknowledge the original.
+                self.note(f"{state.holder} m{message.mid} {message.task}: {exc}; put back")
+                state.pending_releases.append(run_id)
+                self.publish(message.task, message.retries, backoff.republish_headers(request, deferrals, first))
+                process.phase = "acking"
+                return
+            self.note(
+                f"{state.holder} m{message.mid} {message.task}/{message.retries} "
+                f"dispatch={(dispatch or '-')[:6]} redelivered={message.redelivered}: {decision.verdict.value} "
+                f"run={(decision.run_id or '-')[:6]}"
+            )
+            if decision.verdict is park.Verdict.RUN:
+                process.phase, process.run_id = "running", decision.run_id
+                key = (message.task, message.retries)
+                if self.starts[key]:
+                    assert message.task in self.redelivered_tasks, (
+                        f"{message.task} attempt {message.retries} started again, and no copy of it was "
+                        f"redelivered (dispatch {dispatch})\n{self.history()}"
+                    )
+                self.starts[key] += 1
+                return
+            assert decision.verdict in (park.Verdict.PARKED, park.Verdict.ANSWERED), decision
+            process.phase = "acking"
+
+        @precondition(lambda self: self.able("running"))
+        @rule(retry=st.booleans(), which=st.integers(0, 50))
+        def end_body(self, retry: bool, which: int = 0) -> None:
+            for state in self.pick("running", which):
+                self._end_body(state, retry)
+
+        def pick(self, phase: str, which: int) -> list[Worker]:
+            """One live worker in ``phase`` (none if there is none)."""
+            able = self.able(phase)
+            return [able[which % len(able)]] if able else []
+
+        def _end_body(self, state: Worker, retry: bool) -> None:
+            process = state.process
+            assert process.message is not None
+            process.retry = retry and process.message.retries < MAX_RETRIES
+            if not process.retry:
+                self.finished[process.message.task] += 1
+            self.note(f"{state.holder} m{process.message.mid} body ends{' (retry)' if process.retry else ''}")
+            process.phase = "ended"
+
+        @precondition(lambda self: self.able("ended"))
+        @rule(which=st.integers(0, 50))
+        def release(self, which: int = 0) -> None:
+            """The run's release (park.release): its leases go, and waiters that fit are dispatched."""
+            for state in self.pick("ended", which):
+                self._release(state)
+
+        def _release(self, state: Worker) -> None:
+            process = state.process
+            assert process.run_id is not None
+            try:
+                _, process.woken = self.store.release_and_wake(process.run_id, dispatch_lease)
+                self.note(f"{state.holder} release {process.run_id[:6]}: woke {self.named(process.woken)}")
+            except StoreError as exc:
+                self.note(f"{state.holder} release {process.run_id[:6]}: {exc}")
+                state.pending_releases.append(process.run_id)
+                process.woken = []
+            process.phase = "released"
+
+        @precondition(lambda self: self.able("released"))
+        @rule(which=st.integers(0, 50))
+        def publish_after_release(self, which: int = 0) -> None:
+            """The woken copies are published, then a retry's copy (Task.retry, after the release)."""
+            for state in self.pick("released", which):
+                self._publish_after_release(state)
+
+        def _publish_after_release(self, state: Worker) -> None:
+            process = state.process
+            self.publish_woken(process.woken)
+            message = process.message
+            assert message is not None
+            if process.retry:
+                # Celery copies every header of the request; the library's copy rule applies.
+                self.publish(message.task, message.retries + 1, backoff.copied_headers(message.headers))
+            process.phase = "acking"
+
+        @precondition(lambda self: self.able("acking"))
+        @rule(which=st.integers(0, 50))
+        def acknowledge(self, which: int = 0) -> None:
+            for state in self.pick("acking", which):
+                assert state.process.message is not None
+                self.ack(state.process.message)
+                state.process = Process()
+
+        @precondition(lambda self: any(w.pending_releases for w in self.able()) or self.able("running"))
+        @rule()
+        def keepers(self) -> None:
+            for state in self.able():
+                self.keeper(state)
+
+        def keeper(self, state: Worker) -> None:
+            """The lease keeper: failed releases again, and the running run's renewal."""
+            try:
+                for run_id in list(state.pending_releases):
+                    _, woken = self.store.release_and_wake(run_id, dispatch_lease)
+                    self.note(f"{state.holder} keeper releases {run_id[:6]}: woke {self.named(woken)}")
+                    state.pending_releases.remove(run_id)
+                    self.publish_woken(woken)
+                self.renew(state)
+            except StoreError:
+                pass
+
+        def named(self, woken: list[Woken]) -> str:
+            return ", ".join(
+                f"{self.task_of(w.task_id)}:{w.run_id[:6]}{'(readmit)' if w.readmit else ''}" for w in woken
+            )
+
+        def renew(self, state: Worker) -> None:
+            if state.process.phase == "running" and state.process.run_id is not None:
+                self.store.renew([state.process.run_id], lease)
+
+        @rule(lose_publish=st.booleans())
+        def recovery(self, lose_publish: bool = False) -> None:
+            """A worker's recovery call (scoped to this example's slots); the caller may die
+            before it publishes."""
+            try:
+                woken = self.store.recover(dispatch_lease, slots=self.all_slots)
+            except StoreError:
+                return
+            self.note(f"recover: woke {self.named(woken)}{' (publish lost)' if lose_publish else ''}")
+            if not lose_publish:
+                self.publish_woken(woken)
+
+        # -- faults and time ---------------------------------------------------------------
+
+        @precondition(lambda self: self.able())
+        @rule(which=st.integers(0, 50))
+        def kill(self, which: int) -> None:
+            """kill -9: every unacknowledged message of the worker is delivered again; its leases
+            stay until they expire."""
+            able = self.able()
+            state = able[which % len(able)]
+            self.note(f"kill {state.holder}")
+            state.alive = False
+            for message in self.held_by(state):
+                message.holder = None
+                message.redelivered = True
+                self.redelivered_tasks.add(message.task)
+            state.process = Process()
+            state.pending_releases = []
+
+        @precondition(lambda self: not all(w.alive for w in self.workers.values()))
+        @rule()
+        def restart(self) -> None:
+            for state in self.workers.values():
+                if not state.alive:
+                    state.alive = True
+                    state.generation += 1
+
+        @precondition(lambda self: self.store.mode == "up")
+        @rule(mode=st.sampled_from(["down", "lossy"]))
+        def store_fails(self, mode: str) -> None:
+            self.note(f"store {mode}")
+            self.store.mode = mode
+
+        @precondition(lambda self: self.store.mode != "up")
+        @rule()
+        def store_returns(self) -> None:
+            self.note("store up")
+            self.store.mode = "up"
+
+        @precondition(lambda self: self.store.mode == "up")
+        @rule(seconds=st.sampled_from([0.5, 1.2]))
+        def time_passes(self, seconds: float) -> None:
+            self._time_passes(seconds)
+
+        # Twice as likely as any other step: a dispatch expiring before its copy arrives (the
+        # prefetch duplicate) needs it, and recovery after it.
+        time_passes_too = time_passes
+
+        @rule()
+        def recovery_too(self) -> None:
+            self.recovery()
+
+        def _time_passes(self, seconds: float) -> None:
+            """Time passes (in leases): the live workers' keepers renew first."""
+            for state in self.workers.values():
+                if state.alive:
+                    self.renew(state)
+            self.note(f"time passes: {seconds} dispatch leases")
+            self.clock.advance(seconds * dispatch_lease)
+
+        # -- invariants -------------------------------------------------------------------
+
+        @invariant()
+        def caps_hold(self) -> None:
+            running = [
+                state.process.message.task
+                for state in self.workers.values()
+                if state.alive and state.process.phase == "running" and state.process.message is not None
+            ]
+            for cap, limit in LIMITS.items():
+                holders = {task for task in running if cap in TASKS[task]}
+                assert len(holders) <= limit, (
+                    f"cap {cap} (limit {limit}) held by {sorted(holders)} at once\n{self.history()}"
+                )
+
+        @invariant()
+        def one_body_at_a_time(self) -> None:
+            running = Counter(
+                state.process.message.task
+                for state in self.workers.values()
+                if state.alive and state.process.phase == "running" and state.process.message is not None
+            )
+            for task, count in running.items():
+                assert count == 1 or task in self.redelivered_tasks, (
+                    f"{task} runs {count} times at once\n{self.history()}"
+                )
+
+        def teardown(self) -> None:
+            try:
+                self.finish()
+            finally:
+                self.clean_up()
+
+        def finish(self) -> None:
+            """Faults stop; the workers keep working: every task sent must finish."""
+            self.store.mode = "up"
+            self.restart()
+            for _ in range(60):
+                if all(self.finished[task] for task in self.sent):
+                    return
+                for state in self.workers.values():
+                    self.keeper(state)
+                    if state.process.phase == "deciding":
+                        self.decide(state)
+                    if state.process.phase == "running":
+                        self._end_body(state, retry=False)
+                    if state.process.phase == "ended":
+                        self._release(state)
+                    if state.process.phase == "released":
+                        self._publish_after_release(state)
+                    if state.process.phase == "acking":
+                        self.acknowledge()
+                while self.can_deliver():
+                    self.deliver(0)
+                while self.can_start():
+                    self.start(0)
+                self.recovery(lose_publish=False)
+                if not any(m.holder is None for m in self.queue):
+                    self._time_passes(1.2)
+            unfinished = sorted(task for task in self.sent if not self.finished[task])
+            waiting = [(w.task_id, w.dispatched) for w in self.real_store.waiters() if w.slot in self.all_slots]
+            raise AssertionError(
+                f"tasks never finished: {unfinished}; waiting list {waiting}; queue {self.queue}\n{self.history()}"
+            )
+
+        def clean_up(self) -> None:
+            if target is None:
+                return
+            for slot in self.all_slots:
+                for waiter in self.real_store.waiters(slot):
+                    self.real_store.forget(waiter.task_id, dispatch_lease)
+            for lease_row in self.real_store.leases():
+                if lease_row.slot in self.all_slots:
+                    self.real_store.release(lease_row.run_id)
+
+    return ParkProtocol
+
+
+def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> None:
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
+
+
+@pytest.fixture
+def protocol_target(store_target: StoreTarget) -> Iterator[StoreTarget | None]:
+    """None for the memory store (a fresh one per example, on a test clock), else the store's target."""
+    yield None if store_target.kind.id == "memory" else store_target
+
+
+# Budgets: the memory store runs on a test clock (an example takes milliseconds); the others
+# sleep through their leases (seconds an example).
+def test_park_never_loses_a_task_nor_runs_one_twice_without_a_redelivery(protocol_target: StoreTarget | None) -> None:
+    simulated = protocol_target is None
+    _run(make_machine(protocol_target, simulated), examples=400 if simulated else 6, steps=80 if simulated else 40)
+
+
+@pytest.mark.chaos
+def test_park_protocol_long(protocol_target: StoreTarget | None) -> None:
+    simulated = protocol_target is None
+    _run(make_machine(protocol_target, simulated), examples=6000 if simulated else 25, steps=120 if simulated else 60)
