@@ -838,11 +838,11 @@ def drain(ctx: click.Context, name: str, yes: bool, dry_run: bool) -> None:
         dispatched, sent = _guard(functools.partial(park.readmit, operator, slot))
         taken += dispatched
         published += len(sent)
-    click.echo(f"published {published} waiting task(s) of {name}; they left the waiting list")
+    click.echo(f"published {published} waiting task(s) of {name}; each leaves the waiting list when its copy arrives")
     if published < taken:
         raise click.ClickException(
-            f"{taken - published} task(s) could not be published (is the broker reachable?); the workers "
-            "publish them again once their dispatch expires"
+            f"{taken - published} task(s) could not be published (is the broker reachable?); they stay in the "
+            "waiting list, and the workers publish them again once their dispatch expires"
         )
 
 

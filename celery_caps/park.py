@@ -46,7 +46,7 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -583,19 +583,30 @@ def forget(runtime: CapsContext, task_id: str) -> int:
 # -- 5. recovery ------------------------------------------------------------------------------
 
 
-def recover(runtime: CapsContext, slots: Sequence[str] | None = None) -> list[Woken]:
+def caps_of(app: Celery) -> set[str]:
+    """The names of the caps ``app``'s tasks declare (those registered now)."""
+    return {cap.name for task in list(app.tasks.values()) for cap in getattr(task, "_caps", ())}
+
+
+def recover(runtime: CapsContext, caps: Collection[str] | None = None) -> list[Woken]:
     """Dispatch again what was never claimed, hand room freed by expiry to waiters, readmit
     waiters past ``caps_max_wait_seconds``; publish them.  Returns those published.
+
+    Only the waiters of ``caps`` (cap names, or slot names), by default the caps of the app's
+    own tasks: a worker publishes the tasks it knows, never another app's that shares the store.
 
     Raises:
         StoreError: the store failed (the next call tries again).
     """
     if not parks(runtime):
         return []
+    caps = caps_of(runtime.app) if caps is None else caps
+    if not caps:
+        return []
     max_wait = runtime.settings.max_wait_seconds
     woken = runtime.store.recover(
         dispatch_lease_seconds(runtime),
-        slots=slots,
+        caps=sorted(caps),
         readmit_before=None if max_wait is None else time.time() - max_wait,
     )
     return publish_woken(runtime.app, woken)

@@ -705,6 +705,14 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 "prefork children and other workers do not share it. Use a SQL or Redis store for a fleet."
             )
         logger.info("celery-caps: %d capped task(s) use the slot store %s", len(capped), display)
+        if settings.parking.uses_park and store.supports_parking:
+            try:
+                durability = store.durability_warning()
+            except StoreError as exc:
+                durability = None
+                logger.warning("celery-caps: the slot store %s cannot be reached (%s)", display, exc)
+            if durability:
+                logger.warning("celery-caps: parked tasks can be lost: %s", durability)
         store.close()
         if settings.metrics_port is not None:
             from . import metrics

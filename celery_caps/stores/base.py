@@ -411,7 +411,7 @@ class SlotStore(abc.ABC):
         self,
         dispatch_lease_seconds: float,
         *,
-        slots: Collection[str] | None = None,
+        caps: Collection[str] | None = None,
         readmit_before: float | None = None,
     ) -> list[Woken]:
         """Keep waiters moving, in one step: dispatched entries whose deadline passed go back to
@@ -419,8 +419,12 @@ class SlotStore(abc.ABC):
         seconds), waiting entries first deferred before it are dispatched without leases (they
         waited too long: their copies go through admission again, and give up there); then every
         waiter that has room now is dispatched, oldest first.  Returns the dispatches, readmits
-        first.  With ``slots``, only entries waiting for one of those slot names are considered
-        (with, to keep the order fair, the other waiters of the slots they need)."""
+        first.
+
+        With ``caps`` (cap names), only entries waiting for a slot of one of them are considered:
+        the slot named like the cap, or one of its keys' (``"<cap>:<key>"``); so a worker recovers
+        the tasks of its own caps, never another app's that shares the store.  (A slot name given
+        as a cap name matches that slot.)"""
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
@@ -443,6 +447,15 @@ class SlotStore(abc.ABC):
         Raises:
             StoreError: the store cannot be reached (the first real call tries again).
         """
+
+    def durability_warning(self) -> str | None:
+        """What a restart of the store's server would lose, for a worker to warn about at start
+        (a waiting list kept in memory only); None if nothing.
+
+        Raises:
+            StoreError: the store cannot be reached.
+        """
+        return None
 
     def after_fork(self) -> None:
         """Called in a child process after fork; drop connections inherited from the parent."""

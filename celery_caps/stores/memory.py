@@ -71,6 +71,11 @@ class _WaiterEntry:
         return self.done_until is None
 
 
+def of_caps(slot: str, caps: Collection[str]) -> bool:
+    """Whether ``slot`` belongs to one of ``caps``: named like it, or one of its keys'."""
+    return any(slot == cap or slot.startswith(cap + ":") for cap in caps)
+
+
 class MemoryStore(SlotStore):
     """Slots in a dict guarded by a lock; ``clock`` returns seconds (the store clock)."""
 
@@ -275,17 +280,17 @@ class MemoryStore(SlotStore):
         self,
         dispatch_lease_seconds: float,
         *,
-        slots: Collection[str] | None = None,
+        caps: Collection[str] | None = None,
         readmit_before: float | None = None,
     ) -> list[Woken]:
-        only = None if slots is None else set(slots)
         with self._lock:
             now = self.clock()
             considered = [
                 entry
                 for entry in self._waiting.values()
-                if entry.listed and (only is None or not only.isdisjoint(entry.slots))
+                if entry.listed and (caps is None or any(of_caps(slot, caps) for slot in entry.slots))
             ]
+            only = {slot for entry in considered for slot in entry.slots} if caps is not None else None
             for entry in considered:
                 if entry.dispatch_run_id is not None and entry.dispatch_expires_at <= now:
                     self._delete_dispatch_locked(entry.dispatch_run_id, entry.task_id)

@@ -350,6 +350,23 @@ class RedisStore(SlotStore):
             message = f"warming up failed on {self._display_url}: {type(exc).__name__}: {exc}"
             raise StoreError(_scrub(message, self._password())) from exc
 
+    def durability_warning(self) -> str | None:
+        """A warning when the server keeps no append-only file: its waiting lists live in
+        memory, and a restart (or a failover to a replica behind it) loses every parked task."""
+        try:
+            persistence = self._client.info("persistence")
+        except (redis.exceptions.RedisError, OSError) as exc:
+            message = f"reading the persistence of {self._display_url} failed: {type(exc).__name__}: {exc}"
+            raise StoreError(_scrub(message, self._password())) from exc
+        if str(persistence.get("aof_enabled", "0")) == "1":
+            return None
+        return (
+            f"the Redis server at {self._display_url} keeps no append-only file (appendonly no): a restart "
+            "loses every task waiting in its lists, which no broker holds. Turn appendonly on (appendfsync "
+            "everysec loses at most a second), or choose caps_strategy='backoff', whose waiting tasks stay in "
+            "the broker."
+        )
+
     @staticmethod
     def _describe_client(client: Any) -> str:
         try:
@@ -638,7 +655,7 @@ class RedisStore(SlotStore):
         self,
         dispatch_lease_seconds: float,
         *,
-        slots: Collection[str] | None = None,
+        caps: Collection[str] | None = None,
         readmit_before: float | None = None,
     ) -> list[Woken]:
         args: list[bytes | str] = [
@@ -647,8 +664,8 @@ class RedisStore(SlotStore):
             _run_id_nonce(),
             "" if readmit_before is None else self._seconds(readmit_before, "readmit_before"),
         ]
-        if slots is not None:
-            named = sorted(set(slots))
+        if caps is not None:
+            named = sorted(set(caps))
             if not named:
                 return []
             args.extend(map(_encode, named))

@@ -2,12 +2,13 @@
 -- passed go back to waiting at their old place (their dispatch leases deleted); with a
 -- readmit time, waiting entries first deferred before it are dispatched without leases,
 -- oldest first; then every waiting entry that has room now is dispatched with leases,
--- oldest first.  With slot names, only the entries waiting for one of them are considered,
--- with (to keep the order fair) the other waiters of the slots those need.
+-- oldest first.  With cap names, only the entries waiting for a slot of one of them (named
+-- like the cap, or "<cap>:<key>") are considered, with (to keep the order fair) the other
+-- waiters of the slots those need.
 --
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
 -- ARGV: prefix, dispatch lease seconds, run id nonce, readmit time (epoch seconds, '' for
---       none) [, slot name, ...]
+--       none) [, cap name, ...]
 -- Returns {task id, run id, task name, payload, readmit, ...}: the readmits, then the
 -- dispatches, each oldest first.
 
@@ -18,12 +19,34 @@ local FIRST_SLOT = 5
 local now = now_seconds()
 local next_run_id = run_id_source(runs_key, nonce)
 
-local only = nil
+local caps = nil
 if #ARGV >= FIRST_SLOT then
-  only = {}
+  caps = {}
   for i = FIRST_SLOT, #ARGV do
-    only[ARGV[i]] = true
+    caps[#caps + 1] = ARGV[i]
   end
+end
+
+-- Whether `slot` belongs to one of the caps (all do without caps).
+local function of_caps(slot)
+  if caps == nil then
+    return true
+  end
+  for _, cap in ipairs(caps) do
+    if slot == cap or string.sub(slot, 1, #cap + 1) == cap .. ':' then
+      return true
+    end
+  end
+  return false
+end
+
+local function waits_for_caps(record)
+  for j = RECORD_SLOTS, #record, 2 do
+    if of_caps(record[j]) then
+      return true
+    end
+  end
+  return false
 end
 
 -- Unclaimed: the dispatcher died before publishing, the message was lost or is late.  The
@@ -32,7 +55,7 @@ for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', sc
   local record = read_waiter(keys.waiting, task_id)
   if record == nil then
     redis.call('ZREM', keys.dispatches, task_id)
-  elseif only == nil or waits_for_one_of(record, only) then
+  elseif waits_for_caps(record) then
     if not is_waiting(record) then
       delete_dispatch(prefix, runs_key, expiry_key, task_id, record[RECORD_RUN_ID])
       record[RECORD_RUN_ID], record[RECORD_DEADLINE] = '', ''
@@ -42,13 +65,10 @@ for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', sc
   end
 end
 
-local named
-if only == nil then
-  named = redis.call('SMEMBERS', keys.waitlists)
-else
-  named = {}
-  for i = FIRST_SLOT, #ARGV do
-    named[#named + 1] = ARGV[i]
+local named = {}
+for _, slot in ipairs(redis.call('SMEMBERS', keys.waitlists)) do
+  if of_caps(slot) then
+    named[#named + 1] = slot
   end
 end
 
@@ -62,7 +82,7 @@ if readmit_before ~= '' then
 end
 
 local slots
-if only == nil then
+if caps == nil then
   slots = named
 else
   -- The named slots, and every slot their waiting (not dispatched) entries need.

@@ -77,15 +77,6 @@ local function record_slot_names(record)
   return names
 end
 
-local function waits_for_one_of(record, slots)
-  for i = RECORD_SLOTS, #record, 2 do
-    if slots[record[i]] then
-      return true
-    end
-  end
-  return false
-end
-
 local function waiter_task_id(member)
   return string.sub(member, PARKED_WIDTH + SIGNATURE_WIDTH + 1)
 end

@@ -171,8 +171,10 @@ class Run:
     hostname: str
     #: The body returned (False: it raised, was cut short, or still runs).
     completed: bool = False
-    #: The run got its slots through a standby copy (signalled by a release).
-    standby: bool = False
+    #: The dispatch its copy claimed (a woken task), if any.
+    dispatch: str | None = None
+    #: Its copy was delivered again by the broker.
+    redelivered: bool = False
 
 
 @dataclass
@@ -185,8 +187,6 @@ class Record:
     received: Counter[str]
     callbacks: Counter[str]
     runs: list[Run]
-    #: Deliveries of standby copies, per task id (used or not).
-    standby_received: Counter[str] = field(default_factory=Counter)
 
     def runs_of(self, task_id: str) -> list[Run]:
         return sorted((run for run in self.runs if run.task_id == task_id), key=lambda run: run.start)
@@ -426,14 +426,12 @@ class Fleet:
                     deferrals=meta["deferrals"],
                     hostname=meta["hostname"],
                     completed=token.decode() in completed,
-                    standby=bool(meta.get("standby")),
+                    dispatch=meta.get("dispatch"),
+                    redelivered=bool(meta.get("redelivered")),
                 )
             )
         peaks = {key: int(value) for key, value in counts("peaks").items()}
-        return Record(
-            peaks, counts("starts"), counts("done"), counts("received"), counts("callbacks"), runs,
-            counts("standby-received"),
-        )  # fmt: skip
+        return Record(peaks, counts("starts"), counts("done"), counts("received"), counts("callbacks"), runs)
 
     # -- the slot store -----------------------------------------------------------
 
@@ -519,8 +517,8 @@ def delete_slot_rows(store: SlotStore, prefix: str) -> None:
     from celery_caps.stores.sqlalchemy import SQLAlchemyStore, concurrency_slots, concurrency_waiters
 
     if store.supports_parking:
-        for slot in sorted({waiter.slot for waiter in store.waiters() if waiter.slot.startswith(prefix)}):
-            store.drain(slot, 30.0)
+        for task_id in sorted({waiter.task_id for waiter in store.waiters() if waiter.slot.startswith(prefix)}):
+            store.forget(task_id, 30.0)
     if isinstance(store, RedisStore):
         # Lease keys vanish once empty; the sentinels are fields of the "<key prefix>:limits" hash.
         client, limits = store.client, f"{store.key_prefix}:limits"

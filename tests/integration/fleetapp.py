@@ -41,7 +41,7 @@ ENV: dict[str, str | None] = {
     "CAPS_FLEET_BACKOFF_MAX": "1.0",
     "CAPS_FLEET_MAX_WAIT": None,
     "CAPS_FLEET_DISPATCH_LEASE": None,  # None: the lease
-    "CAPS_FLEET_STANDBY_PER_SLOT": None,  # None: the default
+    "CAPS_FLEET_PREFETCH": "1",  # worker_prefetch_multiplier (Celery's default is 4)
     "CAPS_FLEET_ON_STORE_ERROR": None,
     "CAPS_FLEET_ON_LEASE_LOST": None,
     "CAPS_FLEET_VISIBILITY_TIMEOUT": None,  # Redis broker only
@@ -224,7 +224,7 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
         "broker_transport_options": transport_options,
         "result_backend_transport_options": {"global_keyprefix": f"{prefix}results:"},
         "broker_connection_retry_on_startup": True,
-        "worker_prefetch_multiplier": 1,
+        "worker_prefetch_multiplier": int(setting(env, "CAPS_FLEET_PREFETCH") or 1),
         "task_acks_late": True,
         # A pool child killed mid-task (kill -9) gives its message back to the broker.
         "task_reject_on_worker_lost": True,
@@ -247,9 +247,6 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
         value = setting(env, variable)
         if value is not None:
             conf[name] = value if name in ("caps_url", "caps_on_store_error", "caps_on_lease_lost") else float(value)
-    standby_per_slot = setting(env, "CAPS_FLEET_STANDBY_PER_SLOT")
-    if standby_per_slot is not None:
-        conf["caps_standby_per_slot"] = int(standby_per_slot)
     strategy = setting(env, "CAPS_FLEET_STRATEGY")
     if strategy is not None:
         conf["caps_strategy"] = strategy
@@ -277,8 +274,9 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
         meta = {
             "hostname": request.hostname,
             "deferrals": int(request_header(request, "caps_deferrals") or 0),
-            # Handed its slot through a standby copy (celery_caps.parking: standby).
-            "standby": bool(request_header(request, "caps_standby_mark")),
+            # The dispatch this copy claimed, if it was woken (celery_caps.park).
+            "dispatch": request_header(request, "caps_dispatch_run_id"),
+            "redelivered": bool((request.delivery_info or {}).get("redelivered")),
             "retries": request.retries,
             "run_id": getattr(request, "caps_run_id", None),
         }
@@ -432,8 +430,6 @@ def _count_delivery(request: Any = None, **_: Any) -> None:
     recorder = getattr(getattr(getattr(request, "task", None), "app", None), "recorder", None)
     if recorder is not None:
         recorder.received(request.id, request.hostname)
-        if (getattr(request, "request_dict", None) or {}).get("caps_standby_mark"):
-            recorder.count("standby-received", request.id)
 
 
 def _die_before_publishing_wakes(app: Celery, budget: int) -> None:
@@ -442,23 +438,22 @@ def _die_before_publishing_wakes(app: Celery, budget: int) -> None:
     after the store committed the dispatch and before its messages are published."""
     from billiard.process import current_process
 
-    from celery_caps import parking
+    from celery_caps import park
 
-    publish_woken = parking.publish_woken
+    publish_woken = park.publish_woken
     recorder: Recorder = app.recorder  # type: ignore[attr-defined]
 
-    def publish_or_die(app: Celery, woken: Any, **options: Any) -> Any:
+    def publish_or_die(app: Celery, woken: Any) -> Any:
         in_pool = current_process().name.startswith("ForkPoolWorker")
-        dispatched = woken and in_pool and options.get("dispatched", True)
-        if dispatched and recorder.client.incr(recorder.key("wake-deaths")) <= budget:
+        if woken and in_pool and recorder.client.incr(recorder.key("wake-deaths")) <= budget:
             current = app.current_worker_task
             recorder.client.rpush(recorder.key("died-before-wake"), *[waiter.task_id for waiter in woken])
             if current is not None:
                 recorder.client.rpush(recorder.key("died-releasing"), current.request.id)
             os._exit(137)
-        return publish_woken(app, woken, **options)
+        return publish_woken(app, woken)
 
-    parking.publish_woken = publish_or_die
+    park.publish_woken = publish_or_die
 
 
 app = make_app(os.environ)

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ from click.testing import CliRunner, Result
 
 from celery_caps import Cap, CappedTask
 from celery_caps.cli import caps, duration, parse_duration
-from celery_caps.parking import encode_payload
+from celery_caps.park import encode_payload, wake_queue_name
 from celery_caps.stores.base import DISPATCH_HOLDER, PARK_PARKED, HistoryEvent, SlotStore
 from tests.services import own_status
 
@@ -96,20 +95,23 @@ def park_task(
 
 
 def published(app: Celery) -> list[dict[str, Any]]:
-    """The headers of every message published to the app's default queue (consumed)."""
+    """The headers of every message published to the app's default queue and to its wake queue
+    (where woken tasks go), consumed."""
     headers = []
     with app.connection_for_read() as connection:
-        queue = connection.SimpleQueue(app.conf.task_default_queue)
-        try:
-            while True:
-                try:
-                    message = queue.get(block=True, timeout=0.2)
-                except queue.Empty:
-                    return headers
-                headers.append(dict(message.headers))
-                message.ack()
-        finally:
-            queue.close()
+        for name in (app.conf.task_default_queue, wake_queue_name(app.conf.task_default_queue)):
+            queue = connection.SimpleQueue(name)
+            try:
+                while True:
+                    try:
+                        message = queue.get(block=True, timeout=0.2)
+                    except queue.Empty:
+                        break
+                    headers.append(dict(message.headers))
+                    message.ack()
+            finally:
+                queue.close()
+    return headers
 
 
 def wait_expired(store: SlotStore, run_id: str) -> None:
@@ -351,8 +353,8 @@ def test_release_of_a_parked_task_drops_it_and_hands_its_dispatch_to_the_next_wa
     result = run(app, "release", dropped, input="y\n")
 
     assert result.exit_code == 0, result.output
-    assert "drop it from the waiting list of 1 slot(s) (it will not run)" in result.output
-    assert f"removed task {dropped} from the waiting list of 1 slot(s); it will not run" in result.output
+    assert "drop it from the waiting list (it will not run)" in result.output
+    assert f"removed task {dropped} from the waiting list; it will not run" in result.output
     # ... its slot went on to the next waiter, whose message was published
     assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(following, True)]
     assert [lease.task_id for lease in store.leases(slot)] == [following]
@@ -470,36 +472,6 @@ def test_waiters_lists_a_caps_waiting_tasks_in_order(app: Celery, parked: list[s
     assert unknown.output.strip() == f"Error: no slot or cap named '{prefix}nothing' (see `celery caps status`)"
 
 
-def test_waiters_shows_a_waiter_on_standby_and_the_process_that_waits_for_it(
-    app: Celery, parked: list[str], store: SlotStore, prefix: str
-) -> None:
-    if not store.supports_standby:
-        pytest.skip(f"{type(store).__name__} has no standby")
-    # Given the oldest waiter put on standby, its copy not yet in a pool process
-    [standby] = store.stand_by([f"{prefix}tenant:acme"], 1, 10_000, 30.0)
-    assert standby.task_id == parked[0]
-
-    def states() -> list[tuple[str, str, str | None]]:
-        listed = json.loads(run(app, "waiters", f"{prefix}tenant:acme", "--json").output)
-        return [(w["task_id"], w["state"], w["standby_holder"]) for w in listed]
-
-    assert states() == [(parked[0], "standby", None), (parked[1], "waiting", None)]
-    assert "standby (copy on its way)" in run(app, "waiters", f"{prefix}tenant:acme").output
-
-    # When a process waits for it, the list names that process; when it gives up, it waits again
-    waiting = threading.Thread(target=lambda: store.await_standby(parked[0], standby.run_id, 2.0, "w9@host/42", 30))
-    waiting.start()
-    try:
-        deadline = time.monotonic() + 5
-        while states()[0] != (parked[0], "standby", "w9@host/42"):
-            assert time.monotonic() < deadline, states()
-            time.sleep(0.05)
-        assert "standby in w9@host/42" in run(app, "waiters", f"{prefix}tenant:acme").output
-    finally:
-        waiting.join(10)
-    assert states() == [(parked[0], "waiting", None), (parked[1], "waiting", None)]
-
-
 def test_drain_publishes_the_waiting_tasks_then_empties_the_list(
     app: Celery, parked: list[str], store: SlotStore, prefix: str
 ) -> None:
@@ -513,15 +485,21 @@ def test_drain_publishes_the_waiting_tasks_then_empties_the_list(
     result = run(app, "drain", cap, "--yes")
 
     assert result.exit_code == 0, result.output
-    assert f"published 2 waiting task(s) of {cap}; they left the waiting list" in result.output
-    assert [w for w in store.waiters() if w.slot.startswith(prefix)] == []
+    assert f"published 2 waiting task(s) of {cap}; each leaves the waiting list when its copy arrives" in (
+        result.output
+    )
+    # Oldest first, each copy carrying its dispatch (without leases: it goes through admission
+    # again); the list keeps them, dispatched, until their copies claim
     messages = published(app)
-    assert [message["id"] for message in messages] == parked  # oldest first, as ordinary messages
-    assert all("caps_dispatch_run_id" not in message for message in messages)
+    assert [message["id"] for message in messages] == parked
+    assert all(message["caps_dispatch_run_id"] for message in messages)
+    assert [(w.task_id, w.dispatched) for w in store.waiters(f"{cap}:acme")] == [(t, True) for t in parked]
     assert run(app, "drain", cap, "--yes").output.strip() == f"{cap}: no waiting task"
 
 
-def test_drain_keeps_the_tasks_it_cannot_publish(app: Celery, parked: list[str], store: SlotStore, prefix: str) -> None:
+def test_drain_leaves_the_tasks_it_cannot_publish_in_the_list(
+    app: Celery, parked: list[str], store: SlotStore, prefix: str
+) -> None:
     # Given a broker that refuses connections
     app.conf.broker_url = "redis://127.0.0.1:1/0"
 
@@ -529,11 +507,12 @@ def test_drain_keeps_the_tasks_it_cannot_publish(app: Celery, parked: list[str],
 
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1] == (
-        "Error: 2 task(s) could not be published (is the broker reachable?); they stay in the waiting list"
+        "Error: 2 task(s) could not be published (is the broker reachable?); they stay in the waiting "
+        "list, and the workers publish them again once their dispatch expires"
     )
     assert [(w.task_id, w.dispatched) for w in store.waiters(f"{prefix}tenant:acme")] == [
-        (parked[0], False),
-        (parked[1], False),
+        (parked[0], True),
+        (parked[1], True),
     ]
 
 

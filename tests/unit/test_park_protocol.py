@@ -428,7 +428,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             """A worker's recovery call (scoped to this example's slots); the caller may die
             before it publishes."""
             try:
-                woken = self.store.recover(dispatch_lease, slots=self.all_slots)
+                woken = self.store.recover(dispatch_lease, caps=self.all_slots)
             except StoreError:
                 return
             self.note(f"recover: woke {self.named(woken)}{' (publish lost)' if lose_publish else ''}")

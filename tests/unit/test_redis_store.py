@@ -11,7 +11,10 @@ Without a reachable Redis the module is skipped, or fails with
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -501,7 +504,7 @@ def test_each_parking_step_is_one_round_trip(counting_store: RedisStore) -> None
     again = in_one_trip("claim (a duplicate)", lambda: store.claim("task-2", woken.run_id, "w9@h/9", LONG_LEASE))
     assert again is ClaimOutcome.END
     assert in_one_trip("recover", lambda: store.recover(DISPATCH_LEASE)) == []
-    assert in_one_trip("recover (of some slots)", lambda: store.recover(DISPATCH_LEASE, slots=["licence"])) == []
+    assert in_one_trip("recover (of some slots)", lambda: store.recover(DISPATCH_LEASE, caps=["licence"])) == []
     # ... readmits: past the maximum wait, then by an operator
     for task_id, first in (("task-4", 4.0), ("task-5", 5.0)):
         assert park(store, {"licence": 1}, task_id, first) == PARK_PARKED
@@ -783,3 +786,48 @@ def test_a_malformed_url_is_a_configuration_error_without_the_password() -> None
     with pytest.raises(ConfigurationError) as raised:
         RedisStore("redis://:s3cret-pw@127.0.0.1:notaport/15")
     assert "s3cret-pw" not in str(raised.value)
+
+
+def test_a_server_without_an_append_only_file_is_reported_as_losing_parked_tasks_on_restart(
+    tmp_path: Any, client: redis.Redis
+) -> None:
+    # The shared test server runs with appendonly no (as CI starts it): its waiting lists die with it.
+    store = RedisStore(client, key_prefix=new_key_prefix())
+    warning = store.durability_warning()
+    assert warning is not None and "appendonly no" in warning and "caps_strategy='backoff'" in warning
+    # A private server with an append-only file keeps them: nothing to warn about.
+    with private_redis_server(tmp_path, "--appendonly", "yes") as url:
+        durable = RedisStore(url, key_prefix=new_key_prefix())
+        try:
+            assert durable.durability_warning() is None
+        finally:
+            durable.close()
+
+
+@contextlib.contextmanager
+def private_redis_server(directory: Any, *options: str) -> Iterator[str]:
+    """A ``redis-server`` of this test's own on a free loopback port, stopped afterwards."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(directory), *options],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with redis.Redis.from_url(url) as probe_client:
+                    probe_client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -1391,11 +1391,11 @@ def test_an_unclaimed_dispatch_is_dispatched_again_and_the_late_copy_ends_even_a
     slot = f"{prefix}s"
     # Given a dispatch whose copy waits somewhere (a prefetch buffer) past its deadline
     first = dispatch_one(store, slot, f"{prefix}t", lease=SHORT_LEASE)
-    assert store.recover(DISPATCH_LEASE, slots=[slot]) == []  # not expired yet: nothing to do
+    assert store.recover(DISPATCH_LEASE, caps=[slot]) == []  # not expired yet: nothing to do
     wait_until_expired(store, [first.run_id])
 
     # When recovery runs, the task is dispatched again, under a new run
-    [again] = store.recover(DISPATCH_LEASE, slots=[slot])
+    [again] = store.recover(DISPATCH_LEASE, caps=[slot])
     assert (again.task_id, again.payload) == (first.task_id, first.payload)
     assert again.run_id != first.run_id and not again.readmit
     assert [lease.run_id for lease in store.leases(slot)] == [again.run_id]
@@ -1429,7 +1429,7 @@ def test_a_claim_retried_after_its_reply_was_lost_runs_even_once_its_leases_expi
     slot = f"{prefix}s"
     first = dispatch_one(store, slot, f"{prefix}t", lease=SHORT_LEASE)
     wait_until_expired(store, [first.run_id])
-    [again] = store.recover(DISPATCH_LEASE, slots=[slot])  # dispatched twice: a tombstone follows
+    [again] = store.recover(DISPATCH_LEASE, caps=[slot])  # dispatched twice: a tombstone follows
     # Given a claim that took the task, whose reply was lost (the store went away)
     assert store.claim(again.task_id, again.run_id, "w1@h/1", SHORT_LEASE) is ClaimOutcome.RUN
     # When it is retried by the same process: it runs (its leases are its own)
@@ -1449,7 +1449,7 @@ def test_the_sweep_deletes_tombstones_once_they_are_old(store: SlotStore, prefix
     slot = f"{prefix}s"
     first = dispatch_one(store, slot, f"{prefix}t", lease=SHORT_LEASE)
     wait_until_expired(store, [first.run_id])
-    [again] = store.recover(DISPATCH_LEASE, slots=[slot])
+    [again] = store.recover(DISPATCH_LEASE, caps=[slot])
     assert store.claim(again.task_id, again.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
     assert store.release(again.run_id) == 1
     assert store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
@@ -1481,14 +1481,14 @@ def test_waiters_past_the_maximum_wait_are_readmitted_and_leave_the_list_when_th
     park(store, {slot: 1}, f"{prefix}young", 5.0)
 
     # When recovery readmits the waiters first deferred before 2.0 (the slot stays full)
-    [readmitted] = store.recover(DISPATCH_LEASE, slots=[slot], readmit_before=2.0)
+    [readmitted] = store.recover(DISPATCH_LEASE, caps=[slot], readmit_before=2.0)
 
     # Then the old one is dispatched without leases, and stays listed until its copy claims
     assert (readmitted.task_id, readmitted.readmit) == (f"{prefix}old", True)
     assert readmitted.payload == f"payload of {prefix}old".encode()
     assert [lease.task_id for lease in own_leases(store, prefix)] == [f"{prefix}running"]
     assert listed(store, slot) == [(f"{prefix}old", True), (f"{prefix}young", False)]
-    assert store.recover(DISPATCH_LEASE, slots=[slot], readmit_before=2.0) == []  # not twice
+    assert store.recover(DISPATCH_LEASE, caps=[slot], readmit_before=2.0) == []  # not twice
     # ... and its copy, claiming, takes it off the list and goes through admission
     assert store.claim(readmitted.task_id, readmitted.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
     assert listed(store, slot) == [(f"{prefix}young", False)]
@@ -1499,10 +1499,10 @@ def test_a_readmit_whose_copy_is_lost_is_readmitted_again(store: SlotStore, pref
     slot = f"{prefix}s"
     admit(store, {slot: 1}, f"{prefix}running")
     park(store, {slot: 1}, f"{prefix}old", 1.0)
-    [lost] = store.recover(SHORT_LEASE, slots=[slot], readmit_before=2.0)
+    [lost] = store.recover(SHORT_LEASE, caps=[slot], readmit_before=2.0)
 
     def readmitted_again() -> list[Woken]:
-        return store.recover(DISPATCH_LEASE, slots=[slot], readmit_before=2.0)
+        return store.recover(DISPATCH_LEASE, caps=[slot], readmit_before=2.0)
 
     deadline = time.monotonic() + 10
     again: list[Woken] = []
@@ -1593,10 +1593,10 @@ def test_recovery_hands_room_freed_by_expired_leases_to_waiters(store: SlotStore
     slot = f"{prefix}s"
     crashed = admit(store, {slot: 1}, f"{prefix}crashed", lease_seconds=SHORT_LEASE)
     park(store, {slot: 1}, f"{prefix}waiter", 1.0)
-    assert store.recover(DISPATCH_LEASE, slots=[slot]) == []
+    assert store.recover(DISPATCH_LEASE, caps=[slot]) == []
     wait_until_expired(store, [crashed])
 
-    [woken] = store.recover(DISPATCH_LEASE, slots=[slot])
+    [woken] = store.recover(DISPATCH_LEASE, caps=[slot])
 
     assert woken.task_id == f"{prefix}waiter"
     assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
@@ -1621,7 +1621,7 @@ def test_prune_keeps_the_slots_that_parked_tasks_wait_for(store: SlotStore, pref
 
     # Then the slots with parked tasks keep their sentinels, and their waiters are still served
     assert set(own_status(store, prefix)) == {waited, dispatched}
-    woken = store.recover(DISPATCH_LEASE, slots=[waited, dispatched])
+    woken = store.recover(DISPATCH_LEASE, caps=[waited, dispatched])
     assert sorted(w.task_id for w in woken) == [f"{prefix}dispatched", f"{prefix}waiter"]
 
 

@@ -9,8 +9,8 @@ from celery import Celery
 from kombu.entity import Exchange, Queue
 
 from celery_caps import Cap, CappedTask
-from celery_caps.parking import WAKE_QUEUE_SUFFIX, queue_of_wake_queue, wake_queue_name
-from celery_caps.parking import _queue_of as queue_of
+from celery_caps.park import WAKE_QUEUE_SUFFIX, destination_queue, queue_of_wake_queue, wake_queue_name
+from celery_caps.park import _declared_queue as declared_queue
 
 
 @pytest.fixture
@@ -41,10 +41,28 @@ def test_a_wake_queue_is_named_after_its_queue_and_maps_back() -> None:
     ],
     ids=repr,
 )
-def test_the_queue_of_a_parked_message_is_found_from_its_route(
+def test_the_queue_a_parked_message_names_is_found_from_its_route(
     app: Celery, options: dict[str, Any], queue: str | None
 ) -> None:
-    assert queue_of(app, options) == queue
+    assert declared_queue(app, options) == queue
+
+
+def test_a_woken_task_without_a_queue_of_its_own_goes_where_celerys_router_sends_it(app: Celery) -> None:
+    @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False, name="jobs.routed")
+    def routed() -> None: ...
+
+    @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False, name="jobs.plain")
+    def plain() -> None: ...
+
+    app.conf.task_default_queue = "defaults"
+    app.conf.task_routes = {"jobs.routed": {"queue": "routed-here"}}
+    # task_routes, then task_default_queue, as Celery sends them; a named queue wins
+    assert destination_queue(app, routed.s()) == "routed-here"
+    assert destination_queue(app, plain.s()) == "defaults"
+    assert destination_queue(app, plain.s().set(queue="named")) == "named"
+    # (a route the options carry from the message's delivery, to a queue nobody declared, is asked
+    # of the router too)
+    assert destination_queue(app, plain.s().set(exchange="nowhere", routing_key="nothing")) == "defaults"
 
 
 def test_a_task_woken_into_a_wake_queue_is_sent_on_to_its_own_queue(app: Celery) -> None:
@@ -70,7 +88,7 @@ def _request(delivery_info: dict[str, Any]) -> Any:
 def test_tasks_sent_to_a_full_cap_are_parked_with_their_group_and_links(app: Celery) -> None:
     from celery import group
 
-    from celery_caps.parking import decode_payload
+    from celery_caps.park import decode_payload
     from celery_caps.worker import runtime_for
 
     app.conf.caps_strategy = "park"
@@ -92,7 +110,7 @@ def test_tasks_sent_to_a_full_cap_are_parked_with_their_group_and_links(app: Cel
     # Then all four wait in the store, with what they need to be sent later, exactly
     waiters = {w.task_id for w in store.waiters("provider")}
     assert waiters == {r.id for r in grouped.results} | {linked.id}
-    woken = {w.task_id: decode_payload(w.payload) for w in store.drain("provider", 30)}
+    woken = {w.task_id: decode_payload(w.payload) for w in store.readmit("provider", 30)}
     for result in grouped.results:
         options = woken[result.id]["options"]
         assert options["group_id"] == grouped.id and options["task_id"] == result.id
