@@ -160,14 +160,9 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
         request = task.request
         published = float(_header(request, PUBLISHED_HEADER) or 0.0)
         deferrals = int(_header(request, "caps_deferrals") or 0)
-        # How the run got its slots: a standby copy signalled by a release, a dispatched
-        # message (woken, or admitted when sent), or admission on arrival.
-        if _header(request, "caps_standby_mark"):
-            via = "standby"
-        elif _header(request, "caps_dispatch_run_id"):
-            via = "dispatch"
-        else:
-            via = "admission"
+        # How the run got its slots: a dispatched message (woken, or admitted when sent), or
+        # admission on arrival.
+        via = "dispatch" if _header(request, "caps_dispatch_run_id") else "admission"
         times = f"{published:.6f} {start:.6f} {end:.6f}"
         pending[request.id] = f"{request.id} {tenant} {times} {deferrals} {os.getpid()} {via}"
 

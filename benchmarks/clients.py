@@ -716,8 +716,8 @@ def _measure(
     }
 
 
-#: The store's tables on PostgreSQL (the waiting list and standby records churn like the leases).
-STORE_TABLES = ("concurrency_slots", "concurrency_waiters", "concurrency_standby")
+#: The store's tables on PostgreSQL (the waiting list churns like the leases).
+STORE_TABLES = ("concurrency_slots", "concurrency_waiters")
 
 
 def vacuum_database(url: str, *, full: bool = False) -> None:
@@ -777,7 +777,7 @@ def caps_url_for(store: str, options: Any) -> tuple[str | None, str]:
 def drop_slots(caps_url: str, prefix: str) -> None:
     """Delete what workers left under slot names starting with ``prefix``, through the store's
     own calls where it has them: the waiters of a trial that did not complete (``forget``, with
-    their dispatch leases and standbys), stray leases (``release``), then the sentinels."""
+    their dispatch leases), stray leases (``release``), then the sentinels."""
     store = store_from_url(caps_url)
     try:
         if store.supports_parking:

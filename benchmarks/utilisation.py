@@ -46,7 +46,7 @@ TASK_MS = 100
 WORKERS = 2
 CONCURRENCY = 8
 #: ``worker_prefetch_multiplier`` of the workers: 1, as the README recommends for capped tasks
-#: (a worker whose processes are all busy takes no standby copy or woken task it cannot start).
+#: (a worker whose processes are all busy takes no woken task it cannot start).
 PREFETCH = 1
 #: Tenant -> share of the per-key backlog (uneven on purpose).
 TENANT_WEIGHTS = {"t1": 8, "t2": 6, "t3": 4, "t4": 3, "t5": 2, "t6": 1, "t7": 1, "t8": 1}
@@ -67,10 +67,8 @@ STRATEGIES: dict[str, dict[str, str]] = {
         "CAPS_BENCH_BACKOFF_MAX": "1",
         "CAPS_BENCH_EXTRA_CONF": "caps_strategy=backoff",
     },
-    # Park and wake (celery_caps.parking): a full cap parks the task in the store's waiting list.
+    # Park and wake (celery_caps.park): a full cap parks the task in the store's waiting list.
     "park": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park"},
-    # Park with every hand-over through the broker (no waiter on standby in a pool process).
-    "park without standby": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_standby_per_slot=0"},
     # Park on workers that prefetch 4 messages per process (Celery's default multiplier).
     "park, prefetch 4": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park", "CAPS_BENCH_PREFETCH": "4"},
     # Park, with a task that finds room when sent sent without taking its slots (caps_admit_on_publish off).
@@ -295,7 +293,7 @@ def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs:
         result["peak"] = max(t["peak"] for t in tenant_waits.values())
     # Hand-overs: how long a slot stayed empty before each run took it (global: since the
     # latest end before its start, past the first `limit` runs; per key: since its tenant's
-    # previous run ended), and how many runs got their slot through a standby.
+    # previous run ended).
     if variant == "global":
         ends = sorted(run["end"] for run in runs)
         by_start = sorted(runs, key=lambda run: run["start"])[GLOBAL_LIMIT:]
@@ -309,7 +307,6 @@ def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs:
     result["handover_ms_p50"] = percentile(gaps, 0.5) * 1000 if gaps else math.nan
     result["handover_ms_p99"] = percentile(gaps, 0.99) * 1000 if gaps else math.nan
     result["handover_ms_max"] = max(gaps) * 1000 if gaps else math.nan
-    result["via_standby"] = sum(run.get("via") == "standby" for run in runs) / done
     # Wait against backlog position (publish order; per key: within the tenant's backlog):
     # the slope against the ideal schedule's, and how close to a line the waits lie.
     slope, r_squared = _linear_fit(positions, waits_by_position)
@@ -405,8 +402,7 @@ def report_strategy(
             "ms",
             versus=(
                 f"a slot empty between two runs; p99 {median(values(variant, 'handover_ms_p99')):.1f} ms, "
-                f"max {median(values(variant, 'handover_ms_max')):.0f} ms; "
-                f"{median(values(variant, 'via_standby')):.0%} of runs handed over through a standby"
+                f"max {median(values(variant, 'handover_ms_max')):.0f} ms"
             ),
         )
         add(

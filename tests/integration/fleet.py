@@ -175,6 +175,8 @@ class Run:
     dispatch: str | None = None
     #: Its copy was delivered again by the broker.
     redelivered: bool = False
+    #: ``request.retries``: which attempt of the task this run was.
+    retries: int = 0
 
 
 @dataclass
@@ -428,6 +430,7 @@ class Fleet:
                     completed=token.decode() in completed,
                     dispatch=meta.get("dispatch"),
                     redelivered=bool(meta.get("redelivered")),
+                    retries=int(meta.get("retries") or 0),
                 )
             )
         peaks = {key: int(value) for key, value in counts("peaks").items()}

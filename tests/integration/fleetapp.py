@@ -42,6 +42,7 @@ ENV: dict[str, str | None] = {
     "CAPS_FLEET_MAX_WAIT": None,
     "CAPS_FLEET_DISPATCH_LEASE": None,  # None: the lease
     "CAPS_FLEET_PREFETCH": "1",  # worker_prefetch_multiplier (Celery's default is 4)
+    "CAPS_FLEET_ROUTES": None,  # task_routes, as JSON ({"fleet.hold": "<queue>"})
     "CAPS_FLEET_ON_STORE_ERROR": None,
     "CAPS_FLEET_ON_LEASE_LOST": None,
     "CAPS_FLEET_VISIBILITY_TIMEOUT": None,  # Redis broker only
@@ -250,6 +251,9 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
     strategy = setting(env, "CAPS_FLEET_STRATEGY")
     if strategy is not None:
         conf["caps_strategy"] = strategy
+    routes = setting(env, "CAPS_FLEET_ROUTES")
+    if routes is not None:
+        conf["task_routes"] = json.loads(routes)
     app.conf.update(conf)
     recorder = Recorder(setting(env, "CAPS_FLEET_COUNTER_URL") or "", prefix)
     app.recorder = recorder  # type: ignore[attr-defined]
@@ -266,6 +270,8 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     # Lifecycle tests: a cap of 1 per scope (each test passes its own scope first).
     one = Cap(f"{prefix}one", 1, key=lambda scope, *_, **__: scope)
     two = Cap(f"{prefix}two", 1, key=lambda scope, *_, **__: scope)
+    # Retry tests: a cap of 2 per scope.
+    duo = Cap(f"{prefix}duo", 2, key=lambda scope, *_, **__: scope)
     # Hostile-input tests: a cap of 1 per key, with an odd name and whatever key odd_key makes.
     odd = Cap(f"{prefix}{ODD_CAP_NAME}", 1, key=odd_key)
 
@@ -366,6 +372,26 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
                 recorder.count("publishes", str(sender))
 
         signals.before_task_publish.connect(count_publish, weak=False)
+
+    @app.task(name="fleet.retrying", cap=duo, max_retries=5, **task_options)
+    def retrying(self: Any, scope: str, retries: int, ms: int) -> dict[str, Any]:
+        """Runs ``ms`` milliseconds, then retries itself (``self.retry``) until it has retried ``retries`` times."""
+        result = run_body(self, [f"duo:{scope}"], ms / 1000)
+        if self.request.retries < retries:
+            raise self.retry(countdown=0.1)
+        return result
+
+    @app.task(
+        name="fleet.autoretrying", cap=duo, autoretry_for=(RuntimeError,), retry_backoff=0.1, retry_backoff_max=1,
+        retry_jitter=False, max_retries=5, **task_options,
+    )  # fmt: skip
+    def autoretrying(self: Any, scope: str, failures: int, ms: int) -> dict[str, Any]:
+        """Raises ``RuntimeError`` (retried by ``autoretry_for`` with ``retry_backoff``) on its
+        first ``failures`` runs."""
+        result = run_body(self, [f"duo:{scope}"], ms / 1000)
+        if self.request.retries < failures:
+            raise RuntimeError(f"run {self.request.retries} fails on purpose")
+        return result
 
     @app.task(name="fleet.soft_limited", cap=one, soft_time_limit=1, **task_options)
     def soft_limited(self: Any, scope: str) -> None:

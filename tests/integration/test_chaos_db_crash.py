@@ -55,8 +55,7 @@ SWEEP_EVERY_SECONDS = 1.0
 START_GRACE_SECONDS = 1.0
 #: A task run twice must have been in flight at the crash: in the waiting list (seen just before
 #: the crash or just after the restart), or handed over at most this long before the crash (a
-#: hand-over whose commit the crash lost is at most 3 x wal_writer_delay old, 0.6 s by default;
-#: a standby run's background claim follows its start by milliseconds).
+#: hand-over whose commit the crash lost is at most 3 x wal_writer_delay old, 0.6 s by default).
 IN_FLIGHT_SECONDS = 2.0
 
 
@@ -202,9 +201,9 @@ def test_database_crash_loses_no_task_keeps_the_caps_and_leaves_nothing_behind(
     store = fleet.store
     assert isinstance(store, SQLAlchemyStore)
 
-    # Given three prefork workers parking on the private PostgreSQL (standby on, the default),
-    # a sweep every second, and a mixed workload of short tasks sent at once: the caps bind and
-    # most tasks wait in the store, to be handed over as the slots free up
+    # Given three prefork workers parking on the private PostgreSQL, a sweep every second, and a
+    # mixed workload of short tasks sent at once: the caps bind and most tasks wait in the
+    # store, to be handed over as the slots free up
     workers = fleet.start(WORKERS, concurrency=CONCURRENCY)
     stop_sweeping, swept = threading.Event(), []
     beat = _sweep_every(fleet, SWEEP_EVERY_SECONDS, stop_sweeping, swept)
@@ -219,7 +218,7 @@ def test_database_crash_loses_no_task_keeps_the_caps_and_leaves_nothing_behind(
             return {w.task_id for w in store.waiters() if w.slot.startswith(fleet.prefix)}
 
         wait_for(lambda: done() >= TASKS // 4, 60, lambda: f"only {done()} tasks done before the crash")
-        handed_over_before = sum(1 for run in fleet.record().runs if run.standby)
+        handed_over_before = sum(1 for run in fleet.record().runs if run.dispatch)
 
         # When the database server crashes mid-run, and starts again DOWN_SECONDS later
         done_at_crash, live_at_crash = done(), len(fleet.live_runs())
@@ -255,7 +254,7 @@ def test_database_crash_loses_no_task_keeps_the_caps_and_leaves_nothing_behind(
     record = fleet.record()
     assert [run for run in record.runs if not run.completed] == [], "a run was cut short"
     assert waiting_before, "no task waited in the store at the crash: the test would prove nothing"
-    assert handed_over_before, "no task was handed over on standby before the crash"
+    assert handed_over_before, "no task was handed over before the crash"
 
     # ... nothing started while the database was down
     started_while_down = [run for run in record.runs if crash_at + START_GRACE_SECONDS < run.start < restart_at]
@@ -275,7 +274,7 @@ def test_database_crash_loses_no_task_keeps_the_caps_and_leaves_nothing_behind(
         live = record.live_at(counter, moments[0][0])
         return f"{counter} at {moments[0][0] - crash_at:+.3f}s: " + ", ".join(
             f"{run.task_id[:8]} {run.start - crash_at:+.3f}..{(run.end or 0) - crash_at:+.3f}s "
-            f"pid {run.pid}{' standby' if run.standby else ''} deferrals {run.deferrals}"
+            f"pid {run.pid}{' woken' if run.dispatch else ''} deferrals {run.deferrals}"
             for run in live
         )
 
@@ -291,7 +290,7 @@ def test_database_crash_loses_no_task_keeps_the_caps_and_leaves_nothing_behind(
 
     def describe(task_id: str) -> str:
         where = "listed before" if task_id in waiting_before else "listed after" if task_id in waiting_after else ""
-        starts = " ".join(f"{r.start - crash_at:+.2f}s{'/standby' if r.standby else ''}" for r in twice[task_id])
+        starts = " ".join(f"{r.start - crash_at:+.2f}s{'/woken' if r.dispatch else ''}" for r in twice[task_id])
         return f"{task_id[:8]}: {where} runs {starts}"
 
     handed_over_late = {t for t, runs in twice.items() if crash_at - IN_FLIGHT_SECONDS <= runs[0].start <= crash_at}
@@ -312,14 +311,13 @@ def test_database_crash_loses_no_task_keeps_the_caps_and_leaves_nothing_behind(
         "renewals failed": logs.count("lease renewal failed"),
         "releases failed": logs.count("could not release run"),
         "releases retried": len(re.findall(r"released run \S+ after an earlier failure", logs)),
-        "standby runs taken off the list on a retry": logs.count("off the waiting list after an earlier failure"),
-        "standbys interrupted": logs.count("standby interrupted"),
+        "claims retried": logs.count("claiming its dispatch failed"),
         "leases lost": logs.count("lost its slot lease"),
     }
     print(
-        f"\n[chaos db crash] {TASKS} tasks on {WORKERS}x-c{CONCURRENCY} prefork, park + standby; PostgreSQL "
+        f"\n[chaos db crash] {TASKS} tasks on {WORKERS}x-c{CONCURRENCY} prefork, park; PostgreSQL "
         f"crashed (immediate stop) after {done_at_crash} done with {live_at_crash} running, "
-        f"{len(waiting_before)} waiting and {handed_over_before} handed over on standby so far; down "
+        f"{len(waiting_before)} waiting and {handed_over_before} handed over so far; down "
         f"{DOWN_SECONDS:.0f} s ({done_at_return - done_at_crash} finished meanwhile); first start "
         f"{recovery:.2f} s after its return; lost 0, run twice {len(twice)} {[describe(t) for t in twice]}; "
         f"peaks vs caps "

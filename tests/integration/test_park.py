@@ -1,30 +1,30 @@
-"""Fleet tests of the park strategy: three real prefork workers, caps full most of the time.
+"""Fleet tests of the park strategy: real prefork workers, caps full most of the time, no beat.
 
 What a user checks: measured concurrency never passes a cap, every task runs
-exactly once, each parked task costs exactly one more broker message (its wake),
-and nothing is left behind: no lease, no waiter, only sentinels.
+exactly once (more only after a copy of it was redelivered), each parked task costs
+exactly one more broker message (its wake), nothing is left behind (no lease, no
+waiter, only sentinels), and waiters move again by themselves after a fault.
+``docs/park.md`` has the rules these tests hold the workers to.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
+import json
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 from celery.signals import before_task_publish
 
-from celery_caps.parking import DISPATCH_HEADER, STANDBY_HEADER, WAKE_QUEUE_SUFFIX, publish_woken, sweep_waiters
-from celery_caps.stores.base import DISPATCH_HOLDER, PARK_PARKED, SlotStore, store_from_url
-from celery_caps.worker import runtime_for
+from celery_caps.park import DISPATCH_HEADER, WAKE_QUEUE_SUFFIX, publish_woken
+from celery_caps.stores.base import DISPATCH_HOLDER, SlotStore, store_from_url
+from celery_caps.worker import RECOVERY_SECONDS
 from tests.integration.conftest import FleetFactory
-from tests.integration.fleet import Fleet, TcpProxy, delete_slot_rows, mixed_workload, send_workload, wait_for
+from tests.integration.fleet import Fleet, TcpProxy, mixed_workload, send_workload, wait_for
 from tests.integration.fleetapp import make_app, queue_name
 from tests.services import require_service
 
@@ -35,10 +35,6 @@ TENANT_LIMIT = 2
 TASKS = 160
 WORKERS = 3
 CONCURRENCY = 4
-
-
-#: ``caps_standby_seconds`` (the default): how long a standby copy waits for its slot.
-STANDBY_SECONDS = 10.0
 
 
 @pytest.mark.parametrize(
@@ -83,23 +79,16 @@ def test_parked_tasks_are_woken_once_each_and_caps_hold(make_fleet: FleetFactory
     assert all(interval_peaks[c] <= limits[c] for c in limits), f"a cap was exceeded: {interval_peaks}"
     assert peaks["provider"] == PROVIDER_LIMIT
 
-    # ... a parked task came back once: woken through the broker (one publish) or, on a store
-    # that signals, handed its slot on standby (its copy published ahead); none for the others
+    # ... a parked task came back once, woken through the broker (one publish); none for the others
     deliveries = sum(record.received[task_id] for task_id in sent)
     publishes = sum(int(v) for v in fleet.recorder.client.hgetall(fleet.recorder.key("publishes")).values())
     parked = sum(1 for run in record.runs if run.deferrals)
-    standby_copies = sum(record.standby_received[task_id] for task_id in sent)
-    standby_runs = sum(1 for run in record.runs if run.standby)
     assert all(run.deferrals <= 1 for run in record.runs), "a task was parked twice"
     assert deliveries - len(sent) == publishes, "a delivery that no worker published (a redelivery)"
-    assert (publishes - standby_copies) + standby_runs == parked > 0
-    unused = standby_copies - standby_runs
-    if run_seconds < STANDBY_SECONDS:
-        # A copy is left unused only when its standby times out (or its process dies).
-        assert unused == 0, f"{unused} standby copies were published for nothing"
+    assert publishes == parked > 0
+    assert all(run.dispatch for run in record.runs if run.deferrals), "a parked task ran without its dispatch"
     print(
-        f"\n[park {store}] {len(sent)} tasks on {WORKERS}x-c{CONCURRENCY}: peaks {peaks}; parked {parked}, "
-        f"{standby_runs} handed over on standby ({unused} standby copies unused); "
+        f"\n[park {store}] {len(sent)} tasks on {WORKERS}x-c{CONCURRENCY}: peaks {peaks}; parked {parked}; "
         f"broker messages per completed task {(len(sent) + publishes) / len(sent):.2f}; run {run_seconds:.1f} s"
     )
 
@@ -152,10 +141,9 @@ def test_tasks_sent_while_their_cap_is_full_wait_in_the_store_and_cost_one_messa
     fleet.start(1, concurrency=2)
     hold = fleet.app.tasks["fleet.hold"]
     sent_here: list[str] = []
-    standby_copies_here: list[str] = []
 
     def count_publish(headers: Any = None, **_: Any) -> None:
-        (standby_copies_here if headers.get(STANDBY_HEADER) else sent_here).append(headers["id"])
+        sent_here.append(headers["id"])
 
     # Given a task holding a slot of limit 1
     holder = hold.apply_async(args=[scope, 1.5]).id
@@ -171,8 +159,7 @@ def test_tasks_sent_while_their_cap_is_full_wait_in_the_store_and_cost_one_messa
         parked = [w.task_id for w in fleet.store.waiters(fleet.slot(f"one:{scope}")) if not w.dispatched]
         assert sorted(parked) == sorted(waiting) and len(parked) == 5
 
-        # ... each is published once: when a release wakes it, or (the first, parked behind a
-        # running task) as a standby copy by the sender; and runs exactly once, in order
+        # ... each is published once, when a release wakes it; and runs exactly once, in order
         wait_for(lambda: all(fleet.record().done[t] for t in waiting), 30, "the parked tasks did not all run")
     finally:
         before_task_publish.disconnect(count_publish)
@@ -181,8 +168,7 @@ def test_tasks_sent_while_their_cap_is_full_wait_in_the_store_and_cost_one_messa
     starts = [record.runs_of(t)[0].start for t in waiting]
     assert starts == sorted(starts), "woken out of the order they were sent in"
     publishes = sum(int(v) for v in fleet.recorder.client.hgetall(fleet.recorder.key("publishes")).values())
-    assert standby_copies_here == waiting[:1], "the sender put the first waiter (only) on standby"
-    assert publishes + len(standby_copies_here) == 5, f"{publishes} messages published by the workers"
+    assert publishes == 5, f"{publishes} messages published by the workers"
     assert record.peaks[f"one:{scope}"] == 1
     wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
     assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
@@ -201,13 +187,9 @@ def test_a_burst_sent_with_room_takes_its_slots_when_sent_and_costs_one_message_
     fleet.start(2, concurrency=CONCURRENCY)
     both = fleet.app.tasks["fleet.both"]
     sent_headers: dict[str, dict[str, Any]] = {}
-    standby_copies_here: list[str] = []
 
     def count_publish(headers: Any = None, **_: Any) -> None:
-        if headers.get(STANDBY_HEADER):
-            standby_copies_here.append(headers["id"])  # the sender put a waiter on standby
-        else:
-            sent_headers[headers["id"]] = dict(headers)
+        sent_headers[headers["id"]] = dict(headers)
 
     # Given an idle fleet and caps with room (provider 4, tenant 2)
     jobs = mixed_workload(40, seed=20261202)
@@ -225,8 +207,7 @@ def test_a_burst_sent_with_room_takes_its_slots_when_sent_and_costs_one_message_
         assert waiting | set(sent_headers) == set(burst) and not waiting & set(sent_headers)
 
         # ... every task runs exactly once, the caps hold, and the whole burst cost one broker
-        # message per task: the sent ones were claimed, not contested; the others published once,
-        # woken or as a standby copy (by a worker, or by the sender for a waiter first in its list)
+        # message per task: the sent ones were claimed, not contested; the others published once, woken
         fleet.wait_all_done(burst, 60)
     finally:
         before_task_publish.disconnect(count_publish)
@@ -236,10 +217,7 @@ def test_a_burst_sent_with_room_takes_its_slots_when_sent_and_costs_one_message_
     assert record.interval_peak("provider", distinct=True) == PROVIDER_LIMIT
     assert all(record.interval_peak(tenant, distinct=True) <= TENANT_LIMIT for tenant in tenants)
     publishes = sum(int(v) for v in fleet.recorder.client.hgetall(fleet.recorder.key("publishes")).values())
-    assert set(standby_copies_here) <= waiting
-    assert len(sent_headers) + len(standby_copies_here) + publishes == len(burst), (
-        f"{len(sent_headers)} sent + {len(standby_copies_here)} standby copies sent + {publishes} woken"
-    )
+    assert len(sent_headers) + publishes == len(burst), f"{len(sent_headers)} sent + {publishes} woken"
     assert sum(record.received[task_id] for task_id in burst) == len(burst)
     print(f"\n[park, admitted when sent] {len(sent_headers)} of {len(burst)} sent with their slots, {publishes} woken")
     wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
@@ -336,22 +314,21 @@ def test_a_woken_copy_that_comes_after_its_dispatch_expired_and_the_task_was_dis
     # ... whose slot is handed to the second with a dispatch lease of 1 s, its woken copy sent
     _, [woken] = fleet.store.release_and_wake(taken.run_id, 1.0)
     assert woken.task_id == second and publish_woken(fleet.app, [woken]) == [woken]
-    # When that dispatch expires (its copy is late) and the sweep dispatches the task again,
+    # When that dispatch expires (its copy is late) and recovery dispatches the task again,
     # for a minute, with a second copy
     wait_for(lambda: all(lease.expires_in <= 0 for lease in fleet.leases(slot)), 10, "the dispatch never expired")
-    [again] = fleet.store.wake(60.0, [slot])
+    [again] = fleet.store.recover(60.0, caps=[slot])
     assert again.task_id == second and again.run_id != woken.run_id
     assert publish_woken(fleet.app, [again]) == [again]
     fleet.start(1, concurrency=1)
 
     # Then the second task runs once, by the second copy: the late first copy, finding the task
-    # dispatched again, ends without running (before, it took the task off the list and ran it
-    # as a task admitted on arrival, and the second copy ran it again)
+    # dispatched again (or, later, its tombstone), ends without running
     wait_for(lambda: fleet.record().done[second] and fleet.record().done[first], 30, "the tasks did not run")
     time.sleep(1.5)  # (each copy is handled within a second of the other)
     record = fleet.record()
     assert (record.starts[first], record.starts[second]) == (1, 1)
-    assert "was dispatched again; this copy ends" in fleet.tails()
+    assert f"fleet.hold[{second}]: the store answers for this task already" in fleet.tails()
     wait_for(lambda: fleet.leases(slot) == [], 5, lambda: f"leases left: {fleet.leases(slot)}")
     assert fleet.store.waiters(slot) == []
 
@@ -470,8 +447,6 @@ def test_a_release_retried_after_a_store_outage_wakes_the_waiter(
     proxy.open()
 
     # Then the worker retries the release, which hands the slot to the waiter (no sweep runs)
-    # (On standby, as the first waiter is: it waits on through the outage.  A standby run
-    # leaves the list in the background, as it starts.)
     wait_done(fleet, waiter, 15, "the retried release did not wake the waiter")
     wait_for(lambda: store.leases(fleet.slot(f"one:{scope}")) == [], 10, "leases left")
     wait_for(lambda: not parked(store, waiter), 5, "the woken waiter is still in the waiting list")
@@ -480,7 +455,7 @@ def test_a_release_retried_after_a_store_outage_wakes_the_waiter(
 
 @pytest.mark.postgres
 @pytest.mark.redis
-def test_a_task_whose_claim_meets_a_store_outage_claims_its_dispatch_when_it_comes_back(
+def test_a_task_whose_claim_meets_a_store_outage_claims_its_dispatch_once_the_store_is_back(
     postgres_proxy: tuple[TcpProxy, str], make_fleet: FleetFactory, postgres_store: SlotStore
 ) -> None:
     proxy, caps_url = postgres_proxy
@@ -503,7 +478,7 @@ def test_a_task_whose_claim_meets_a_store_outage_claims_its_dispatch_when_it_com
     proxy.close()
     fleet.start(1, concurrency=2)
     wait_for(
-        lambda: "put back: slot store error" in fleet.tails(),
+        lambda: f"fleet.hold[{first}]: claiming its dispatch failed" in fleet.tails(),
         30,
         "the first task never met the outage",
     )
@@ -513,9 +488,9 @@ def test_a_task_whose_claim_meets_a_store_outage_claims_its_dispatch_when_it_com
     # ... and the store comes back
     proxy.open()
 
-    # Then its put-back copy claims the dispatch it was sent with (admitted afresh under a run
-    # of its own, it would leave the dispatch lease holding the slot for 30 s, and the second
-    # task waiting behind it); its release hands the slot to the second at once
+    # Then its copy, waiting in its process, claims the dispatch it was sent with (put back
+    # without it, it would leave the dispatch holding the slot for 30 s, and the second task
+    # waiting behind it); its release hands the slot to the second at once
     wait_for(
         lambda: fleet.record().done[second] >= 1,
         15,
@@ -525,232 +500,49 @@ def test_a_task_whose_claim_meets_a_store_outage_claims_its_dispatch_when_it_com
     assert (record.starts[first], record.starts[second]) == (1, 1)
     wait_for(lambda: store.leases(fleet.slot(f"one:{scope}")) == [], 5, "leases left")
     assert not parked(store, second)
-    # ... and the second's standby copy, which met the outage before its process had ever
-    # reached the store, waited on through it instead of failing
     logs = "\n".join(worker.log() for worker in fleet.workers)
     assert "raised unexpected" not in logs and "Traceback" not in logs, logs[-4000:]
 
 
 @pytest.mark.postgres
-def test_a_handed_over_task_that_cannot_leave_the_waiting_list_leaves_it_once_the_store_is_back(
-    postgres_proxy: tuple[TcpProxy, str], postgres_store: SlotStore
-) -> None:
-    from celery import Celery
-
-    proxy, caps_url = postgres_proxy
-    store = postgres_store  # straight to PostgreSQL: readable during the outage
-    app = Celery("unlist", set_as_current=False)
-    app.conf.update(caps_url=caps_url, caps_strategy="park")
-    runtime = runtime_for(app)
-    scope = uuid.uuid4().hex[:16]
-    slot, task_id, again = f"caps-test-{scope}", f"caps-test-{scope}-t", f"caps-test-{scope}-again"
-    waiting = {"payload": b"m", "first_deferred_at": time.time(), "max_waiters": 10}
-    try:
-        # Given a task a release handed over (dispatch run id in its entry), whose process
-        # cannot take it off the waiting list: the store is away
-        holder_run = uuid.uuid4().hex
-        assert store.acquire({slot: 1}, f"{scope}-holder", holder_run, "h", 60).granted
-        store.park({slot: 1}, task_id, uuid.uuid4().hex, "h", 60, **waiting)
-        store.park({slot: 1}, again, uuid.uuid4().hex, "h", 60, **waiting)
-        _, [handed_over, *_] = store.release_and_wake(holder_run, 60)
-        assert handed_over.task_id == task_id
-        assert runtime.store.waiters(slot)  # (connected through the proxy)
-        proxy.close()
-        runtime.unlist_handed_over(task_id, handed_over.run_id, "t")
-        time.sleep(1.5)
-        assert parked(store, task_id)
-
-        # When the store comes back
-        proxy.open()
-
-        # Then its entry leaves the list within a second or two (not dispatched again once its
-        # dispatch expires, which would run it twice), and nobody else's entry does
-        wait_for(lambda: not parked(store, task_id), 5, "the handed-over task is still in the waiting list")
-        assert [waiter.task_id for waiter in store.waiters(slot)] == [again]
-        assert not runtime.has_failed_calls()
-
-        # ... and a late retry never deletes an entry the task id got since (parked again, by a
-        # retry of it, say, once its run ended)
-        store.release(handed_over.run_id)
-        assert store.acquire({slot: 1}, f"{scope}-holder-2", uuid.uuid4().hex, "h", 60).granted
-        assert store.park({slot: 1}, task_id, uuid.uuid4().hex, "h", 60, **waiting) == PARK_PARKED
-        runtime.unlist_handed_over(task_id, handed_over.run_id, "t")
-        time.sleep(0.5)
-        assert parked(store, task_id)
-    finally:
-        runtime.close()
-        delete_slot_rows(store, slot)
-
-
-# -- standby: a pool process that waits for the next hand-over ----------------------------
-
-
-def waiting_standby(fleet: Fleet, task_ids: list[str]) -> tuple[str, int] | None:
-    """One of ``task_ids`` whose standby copy waits in a pool process, and that process's pid."""
-    for standby in fleet.store.standbys():
-        if standby.task_id in task_ids and standby.holder and not standby.taken and standby.expires_in > 0:
-            return standby.task_id, int(standby.holder.rsplit("/", 1)[1])
-    return None
-
-
-@pytest.mark.parametrize(
-    "store",
-    [
-        pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.redis], id="postgres-redis"),
-        pytest.param("redis", marks=[pytest.mark.redis], id="redis-redis"),
-    ],
-)
-def test_a_standby_process_killed_while_it_waits_loses_no_task_and_the_cap_holds(
-    make_fleet: FleetFactory, store: str
-) -> None:
-    fleet = make_fleet(
-        broker=require_service("redis"), caps_url=require_service(store), strategy="park", dispatch_lease=2
-    )
-    fleet.start(1, concurrency=4)
-    scope = uuid.uuid4().hex[:16]
-    hold = fleet.app.tasks["fleet.hold"]
-
-    # Given four 2 s tasks for one slot of limit 1, sent at once: the first runs, the others
-    # wait in the store, and after the first hand-over the next waiter's copy waits on standby
-    tasks = [hold.apply_async(args=[scope, 2.0]).id for _ in range(4)]
-    found = wait_for(lambda: waiting_standby(fleet, tasks), 20, "no standby copy waited in a pool process")
-    assert found is not None
-    standby_task, pid = found
-
-    # When that pool process is killed while it waits (SIGKILL: nothing of it runs any more)
-    os.kill(pid, signal.SIGKILL)
-
-    # Then every task still runs exactly once and the cap holds throughout, nothing is left.
-    # (The worker notices the dead process late: a release may hand the slot to the dead
-    # standby first, in its name.  Its leases are released when the loss is noticed, and the
-    # killed copy, given back to the broker, claims like a dispatch, or is admitted as usual,
-    # or the sweep dispatches the task again once its dispatch expires.)
-    deadline = time.monotonic() + 60
-    while not all(fleet.record().done[task_id] for task_id in tasks):
-        assert time.monotonic() < deadline, f"not all ran: {dict(fleet.record().done)}"
-        if fleet.leases() == [] or all(lease.expires_in < 0 for lease in fleet.leases()):
-            run_sweep(fleet)
-        time.sleep(0.5)
-    record = fleet.record()
-    assert [record.starts[task_id] for task_id in tasks] == [1, 1, 1, 1], standby_task
-    runs = sorted((run.start, run.end, run.task_id[:6], run.standby) for run in record.runs)
-    assert record.interval_peak(f"one:{scope}", distinct=True) == 1, runs
-    wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
-    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
-
-
-@pytest.mark.parametrize("send", ["apply_async", "send_task"])
-@pytest.mark.parametrize(
-    "store",
-    [
-        pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.redis], id="postgres-redis"),
-        pytest.param("redis", marks=[pytest.mark.redis], id="redis-redis"),
-    ],
-)
-def test_a_task_that_waits_behind_one_already_running_is_handed_over_on_standby(
-    make_fleet: FleetFactory, store: str, send: str
-) -> None:
-    fleet = make_fleet(broker=require_service("redis"), caps_url=require_service(store), strategy="park")
-    fleet.start(1, concurrency=3)
-    scope = uuid.uuid4().hex[:16]
-    hold = fleet.app.tasks["fleet.hold"]
-
-    # Given a task running alone in its slot (limit 1): its claim saw nobody waiting behind it,
-    # so it put nobody on standby
-    first = hold.apply_async(args=[scope, 2.5]).id
-    wait_for(lambda: fleet.record().starts[first] == 1, 15, "the first task never started")
-
-    # When the next task for that slot is sent while it runs: parked when sent (apply_async),
-    # or parked by the worker it reaches (send_task by name is never parked when sent)
-    if send == "apply_async":
-        second = hold.apply_async(args=[scope, 0.1]).id
-    else:
-        second = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
-
-    # Then, first in its list, it is put on standby at once: a pool process waits for the slot
-    # before the first task ends
-    wait_for(lambda: waiting_standby(fleet, [second]) is not None, 10, "no standby copy waited in a pool process")
-    assert fleet.record().done[first] == 0, "the first task ended before the standby was in place"
-    # ... and the hand-over goes through it (no publish), each task once, the cap held
-    fleet.wait_all_done([first, second], 20)
-    record = fleet.record()
-    assert [run.standby for run in record.runs if run.task_id == second] == [True]
-    assert (record.starts[first], record.starts[second]) == (1, 1)
-    assert record.interval_peak(f"one:{scope}", distinct=True) == 1
-    wait_for(lambda: fleet.leases() == [], 5, lambda: f"leases left: {fleet.leases()}")
-    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
-
-
-# -- a revoked waiter leaves the waiting list ---------------------------------------------
-
-
-def run_sweep(fleet: Fleet) -> None:
-    """Run the ``celery_caps.sweep`` task on the fleet's worker and wait until it succeeded."""
-    sweep_id = fleet.app.send_task("celery_caps.sweep").id
-    wait_for(lambda: f"celery_caps.sweep[{sweep_id}] succeeded" in fleet.workers[0].log(), 15, "the sweep did not run")
-
-
-@pytest.mark.postgres
 @pytest.mark.redis
-@pytest.mark.parametrize("on_standby", [False, True], ids=["waiting", "on-standby"])
-def test_a_revoked_waiter_leaves_the_waiting_list_and_its_slot_goes_to_the_next(
-    private_postgres_url: str, make_fleet: FleetFactory, on_standby: bool
-) -> None:
-    # A schema of its own: the sweep below must see only this test's waiters.
+def test_a_revoked_waiter_leaves_the_waiting_list_and_its_slot_goes_to_the_next(make_fleet: FleetFactory) -> None:
     redis_url = require_service("redis")
     fleet = make_fleet(
-        broker=redis_url, backend=redis_url, caps_url=private_postgres_url, strategy="park", lease=30,
-        standby_per_slot=None if on_standby else 0,
-    )  # fmt: skip
+        broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park", lease=30
+    )
     store = fleet.store
     fleet.start(1, concurrency=3)
     scope = uuid.uuid4().hex[:16]
 
-    # Given a task holding its slot (a cap of 1) for 3 s and two waiters parked behind it; the
-    # first of them, first in the list, waits on standby in a pool process (unless standby is off)
+    # Given a task holding its slot (a cap of 1) for 3 s and two waiters parked behind it
     holder = fleet.app.send_task("fleet.hold", args=[scope, 3.0]).id
     wait_for(lambda: fleet.record().starts[holder] == 1, 20, "the holder never started")
     first = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
     wait_parked(store, first)
-    if on_standby:
-        wait_for(lambda: waiting_standby(fleet, [first]) is not None, 10, "the first waiter is not on standby")
     second = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
     wait_parked(store, second)
 
     # When the first waiter is revoked (no terminate: it is not running)
-    ended = f"fleet.hold[{first}] ignored"  # a copy of it ending: parked on arrival, or a standby's
-    ended_before = fleet.workers[0].log().count(ended)
-    revoked_at = time.monotonic()
     replies = fleet.app.control.revoke(first, reply=True, timeout=5, limit=1)
     assert replies, "no worker acknowledged the revoke"
-    if on_standby:
-        # ... its standby copy stops waiting at once (its pool process is free again), not when
-        # its wait (caps_standby_seconds, 10 s) is over
-        wait_for(lambda: fleet.workers[0].log().count(ended) > ended_before, 10, "the standby copy never ended")
-        assert time.monotonic() - revoked_at < 5, "the revoked task's standby copy waited on"
 
-    # Then it never runs, and the second waiter gets the slot when the holder ends: waiting, its
-    # dispatch is discarded by the worker as a revoked message; on standby, the worker that
-    # holds its copy takes it off the waiting list
+    # Then it never runs: its dispatch is discarded by the worker as a revoked message, which
+    # takes it off the list and hands its slot to the second waiter at once
     wait_done(fleet, second, 15, "the slot did not go on to the next waiter after the revoked one")
-    discarded = f"Discarding revoked task: fleet.hold[{first}]"
-    taken_off = f"revoked task fleet.hold[{first}] taken off the waiting list"
     assert fleet.record().starts[first] == 0
-    log = fleet.workers[0].log()
-    assert (log.count(discarded), log.count(taken_off)) == ((0, 1) if on_standby else (1, 0))
+    assert f"Discarding revoked task: fleet.hold[{first}]" in fleet.workers[0].log()
     assert fleet.app.AsyncResult(first).state == "REVOKED"
     assert not parked(store, first) and not parked(store, second)
     wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
 
-    # ... and the sweep does not dispatch it again
-    run_sweep(fleet)
-    time.sleep(0.5)
-    assert fleet.workers[0].log().count(discarded) == (0 if on_standby else 1)
-    assert not parked(store, first)
+    # ... and recovery never dispatches it again
+    time.sleep(RECOVERY_SECONDS * 1.5)
+    assert fleet.workers[0].log().count(f"Discarding revoked task: fleet.hold[{first}]") == 1
     assert fleet.record().starts[first] == 0
 
 
-# -- a waiter past caps_max_wait_seconds is published at least once -----------------------------
+# -- a waiter past caps_max_wait_seconds gives up, at least once -----------------------------------
 
 
 @pytest.mark.parametrize(
@@ -760,66 +552,47 @@ def test_a_revoked_waiter_leaves_the_waiting_list_and_its_slot_goes_to_the_next(
         pytest.param("sqlite", marks=[pytest.mark.sqlite, pytest.mark.redis], id="sqlite-redis"),
     ],
 )
-def test_a_waiter_past_its_max_wait_is_not_lost_when_its_publish_fails(
-    request: pytest.FixtureRequest, tmp_path: Path, store: str
+def test_a_waiter_past_its_max_wait_gives_up_with_the_named_error_even_when_a_publish_fails(
+    make_fleet: FleetFactory, tmp_path: Path, store: str
 ) -> None:
     redis_url = require_service("redis")
-    # The sweep sees every waiter of its store: a private SQLite file, or a PostgreSQL schema of
-    # this test's own (before make_fleet, so that the fleet is torn down first).
-    caps_url = (
-        f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else str(request.getfixturevalue("private_postgres_url"))
-    )
-    make_fleet: FleetFactory = request.getfixturevalue("make_fleet")
-    fleet = make_fleet(broker=redis_url, backend=redis_url, caps_url=caps_url, strategy="park", lease=30, max_wait=1)
-    fleet.start(1, concurrency=2)
+    caps_url = f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else require_service(store)
+    # A dispatch lease of 2 s: a readmit whose copy is lost is readmitted again that soon.
+    fleet = make_fleet(
+        broker=redis_url, backend=redis_url, caps_url=caps_url, strategy="park", lease=30, max_wait=1,
+        dispatch_lease=2,
+    )  # fmt: skip
     scope = uuid.uuid4().hex[:16]
     slot = fleet.slot(f"one:{scope}")
 
-    # Given a slot held elsewhere, and a task parked for it longer than caps_max_wait_seconds (1 s)
+    # Given a slot held elsewhere, and a task parked for it (no worker runs yet)
     assert fleet.store.acquire({slot: 1}, f"{fleet.prefix}elsewhere", uuid.uuid4().hex, "elsewhere/1", 120).granted
-    waiter = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
+    waiter = fleet.app.tasks["fleet.hold"].apply_async(args=[scope, 0.1]).id
     wait_parked(fleet.store, waiter)
+    # ... past caps_max_wait_seconds (1 s), readmitted once by a recovery whose publish is lost
     wait_for(lambda: time.time() - fleet.store.waiters(slot)[0].first_deferred_at > 1.1, 5, "max wait not reached")
+    [lost] = fleet.store.recover(2.0, caps=[slot], readmit_before=time.time() - 1)
+    assert (lost.task_id, lost.readmit) == (waiter, True)
+    assert [(w.task_id, w.dispatched) for w in fleet.store.waiters(slot)] == [(waiter, True)]
 
-    # ... and a sweep run where the broker cannot be reached (its port refuses connections)
-    redis = urlsplit(redis_url)
-    proxy = TcpProxy((redis.hostname or "127.0.0.1", redis.port or 6379))
-    sweeper = make_app({**fleet.env, "CAPS_FLEET_BROKER": f"redis://127.0.0.1:{proxy.port}{redis.path}"}, current=False)
-    runtime = runtime_for(sweeper)
-    try:
-        # When the sweep gives up on the waiter but cannot publish it
-        assert sweep_waiters(runtime) == 0
+    # When a worker starts (its recovery runs every 2 s)
+    fleet.start(1, concurrency=2)
 
-        # Then the task stays in the waiting list, waiting at its place
-        assert [(w.task_id, w.dispatched) for w in fleet.store.waiters(slot)] == [(waiter, False)]
-
-        # When the broker is back, the next sweep publishes it and only then takes it off the list
-        proxy.open()
-        assert sweep_waiters(runtime) == 1
-        assert fleet.store.waiters(slot) == []
-
-        # ... and a worker receives it and gives up on it with the named error (its slot is still held)
-        result = fleet.app.AsyncResult(waiter)
-        result.get(timeout=20, propagate=False)
-        assert result.state == "FAILURE" and type(result.result).__name__ == "CapWaitExceeded", result.result
-        # (Received twice, and once more if its standby copy came: it was first in its list.)
-        record = fleet.record()
-        assert record.received[waiter] - record.standby_received[waiter] == 2
-        assert record.starts[waiter] == 0
-    finally:
-        runtime.close()
-        sweeper.close()
-        proxy.close()
+    # Then the task is readmitted again once that dispatch expires, and its copy gives up with the
+    # named error (its slot is still held), taking it off the list
+    result = fleet.app.AsyncResult(waiter)
+    result.get(timeout=30, propagate=False)
+    assert result.state == "FAILURE" and type(result.result).__name__ == "CapWaitExceeded", result.result
+    assert fleet.record().starts[waiter] == 0
+    assert fleet.store.waiters(slot) == []
 
 
 @pytest.mark.chaos
 @pytest.mark.amqp
-def test_releasers_killed_mid_dispatch_lose_nothing_and_the_caps_hold(
-    private_postgres_url: str, make_fleet: FleetFactory
-) -> None:
+def test_releasers_killed_mid_dispatch_lose_nothing_and_the_caps_hold(make_fleet: FleetFactory) -> None:
     fleet = make_fleet(
         broker=require_service("amqp"),
-        caps_url=private_postgres_url,
+        caps_url=require_service("postgres"),
         provider_limit=PROVIDER_LIMIT,
         tenant_limit=TENANT_LIMIT,
         strategy="park",
@@ -827,32 +600,20 @@ def test_releasers_killed_mid_dispatch_lose_nothing_and_the_caps_hold(
     )
     deaths = 3
     # Given a park fleet whose first three releasers that dispatch waiters die right after the
-    # store committed the dispatch, before publishing it (a pool process killed at that moment)
+    # store committed the dispatch, before publishing it (a pool process killed at that moment),
+    # and no beat: the workers' own recovery dispatches again what was never published
     fleet.start(WORKERS, concurrency=CONCURRENCY, extra_env={"CAPS_FLEET_DIE_BEFORE_WAKE": str(deaths)})
-    # ... and a sweep every half second, as beat would run it
-    sweeping = threading.Event()
-    sweep = fleet.app.tasks["celery_caps.sweep"]
 
-    def beat() -> None:
-        while not sweeping.wait(0.5):
-            sweep.apply()
+    # When a mixed workload runs
+    sent = send_workload(fleet, mixed_workload(120, seed=4242))
 
-    beat_thread = threading.Thread(target=beat, name="test-beat", daemon=True)
-    beat_thread.start()
-    try:
-        # When a mixed workload runs
-        sent = send_workload(fleet, mixed_workload(120, seed=4242))
-
-        # Then every task completes
-        fleet.wait_all_done(sent, 120)
-    finally:
-        sweeping.set()
-        beat_thread.join(timeout=10)
+    # Then every task completes
+    fleet.wait_all_done(sent, 120)
     client = fleet.recorder.client
     stranded = [task_id.decode() for task_id in client.lrange(fleet.recorder.key("died-before-wake"), 0, -1)]
     releasing = {task_id.decode() for task_id in client.lrange(fleet.recorder.key("died-releasing"), 0, -1)}
     record = fleet.record()
-    # ... the releasers did die, and the tasks they had dispatched ran once the sweep dispatched them again
+    # ... the releasers did die, and the tasks they had dispatched ran once recovery dispatched them again
     assert len(releasing) == deaths and stranded, (releasing, stranded)
     assert all(record.done[task_id] == 1 for task_id in stranded)
     # ... every other task exactly once; a dying releaser's own task, whose body had ended but whose
@@ -868,6 +629,281 @@ def test_releasers_killed_mid_dispatch_lose_nothing_and_the_caps_hold(
         f"\n[park crash] {len(sent)} tasks, {deaths} releasers killed mid-dispatch stranding {len(stranded)} "
         f"dispatched task(s); peaks {interval_peaks}"
     )
-    # ... and nothing is left: no waiter, no lease after the sweep
     assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
     wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
+
+
+# -- the defaults under the faults a fleet meets: retries, kill -9, outages, prefetch, expiry ------
+#
+# Celery's defaults where the fleet app sets its own: prefetch multiplier 4, and no beat (the
+# fleet app schedules no sweep): whatever keeps waiters moving runs in the workers.
+
+BROKERS = [
+    pytest.param("redis", marks=[pytest.mark.redis], id="redis-broker"),
+    pytest.param("amqp", marks=[pytest.mark.amqp], id="rabbitmq-broker"),
+]
+
+
+def attempts_started_twice(record: Any, task_ids: Any) -> dict[tuple[str, int], int]:
+    """``(task id, retries)`` attempts whose body started more than once, with how often."""
+    starts: dict[tuple[str, int], int] = {}
+    for run in record.runs:
+        if run.task_id in task_ids:
+            starts[(run.task_id, run.retries)] = starts.get((run.task_id, run.retries), 0) + 1
+    return {attempt: count for attempt, count in starts.items() if count > 1}
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("broker", BROKERS)
+@pytest.mark.parametrize("task", ["fleet.retrying", "fleet.autoretrying"])
+def test_tasks_that_retry_while_others_wait_all_finish_each_attempt_running_once(
+    make_fleet: FleetFactory, broker: str, task: str
+) -> None:
+    redis_url = require_service("redis")
+    fleet = make_fleet(
+        broker=require_service(broker), backend=redis_url, caps_url=require_service("postgres"), prefetch=4,
+        strategy="park",
+    )  # fmt: skip
+    fleet.start(2, concurrency=3)
+    scope = uuid.uuid4().hex[:16]
+
+    # When twelve tasks under a cap of 2 each retry twice (self.retry, or autoretry_for with
+    # retry_backoff), most of their retries parking behind the others
+    sent = [fleet.app.send_task(task, args=[scope, 2, 150]).id for _ in range(12)]
+
+    # Then every task succeeds, each of its three attempts having run exactly once
+    for task_id in sent:
+        result = fleet.app.AsyncResult(task_id)
+        result.get(timeout=90, propagate=False)
+        assert result.state == "SUCCESS", (task_id, result.state, result.result)
+    record = fleet.record()
+    assert attempts_started_twice(record, sent) == {}
+    assert sorted({(run.task_id, run.retries) for run in record.runs}) == sorted(
+        (task_id, retries) for task_id in sent for retries in range(3)
+    )
+    assert record.interval_peak(f"duo:{scope}", distinct=True) == 2
+    # ... and nothing is left: no lease, no waiter
+    wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+
+
+@pytest.mark.postgres
+@pytest.mark.amqp
+def test_a_worker_killed_while_it_runs_woken_tasks_loses_none_and_they_finish_within_a_lease(
+    make_fleet: FleetFactory,
+) -> None:
+    lease = 5.0
+    fleet = make_fleet(
+        broker=require_service("amqp"), caps_url=require_service("postgres"), provider_limit=PROVIDER_LIMIT,
+        tenant_limit=TENANT_LIMIT, strategy="park", lease=lease, prefetch=4,
+    )  # fmt: skip
+    workers = fleet.start(WORKERS, concurrency=CONCURRENCY)
+    victim = workers[0]
+    both = "fleet.both"
+
+    # Given 60 tasks of 1 s for a global cap of 4, most of them parked and then woken
+    sent = {fleet.app.send_task(both, args=[tenant, 1000]).id: tenant for tenant in ["a", "b", "c", "d"] * 15}
+
+    # When a worker is killed (kill -9, its pool with it) while it runs woken tasks
+    def running_woken_on_victim() -> list[dict[str, Any]]:
+        return [run for run in fleet.live_runs() if run["hostname"] == victim.name and run.get("dispatch")]
+
+    wait_for(running_woken_on_victim, 60, "the victim never ran a woken task")
+    kill = fleet.kill_main(victim)
+    killed_at = time.monotonic()
+    cut_short = {run.task_id for run in fleet.record().runs if run.pid in kill.pids and run.end == kill.moment}
+
+    # Then every task finishes, the ones cut short within a lease (and a task) of the kill
+    fleet.wait_all_done(list(sent), 120)
+    record = fleet.record()
+    for task_id in cut_short:
+        finished = max(run.end or 0 for run in record.runs_of(task_id) if run.completed)
+        assert finished - kill.moment < lease + 5 + 1, (
+            f"{task_id} finished {finished - kill.moment:.1f} s after the kill"
+        )
+    # ... a body ran again only where its copy was redelivered (the ones cut short)
+    again = {task_id for task_id in sent if record.starts[task_id] > 1}
+    assert again <= cut_short, again - cut_short
+    assert all(any(run.redelivered for run in record.runs_of(task_id)) for task_id in again)
+    # ... and the cap held: the killed runs' leases count until they expire, and a redelivered copy
+    # runs as the same task id
+    assert record.interval_peak("provider", distinct=True) <= PROVIDER_LIMIT
+    print(
+        f"\n[park kill -9] {len(cut_short)} woken or running tasks cut short, "
+        f"all done {time.monotonic() - killed_at:.1f} s later"
+    )
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+def test_waiters_move_again_within_seconds_of_the_stores_return_without_beat(
+    postgres_proxy: tuple[TcpProxy, str], make_fleet: FleetFactory
+) -> None:
+    proxy, caps_url = postgres_proxy
+    fleet = make_fleet(
+        broker=require_service("redis"), caps_url=caps_url, provider_limit=PROVIDER_LIMIT, tenant_limit=TENANT_LIMIT,
+        strategy="park", prefetch=4, lease=30,
+    )  # fmt: skip
+    fleet.start(WORKERS, concurrency=CONCURRENCY)
+
+    # Given 120 tasks of 0.2 s under a global cap of 4 (most wait in the store)
+    sent = send_workload(fleet, [job for job in mixed_workload(120, seed=1912, ms_range=(200, 200))])
+    wait_for(lambda: sum(1 for t in sent if fleet.record().done[t]) >= 12, 60, "the workload never got going")
+
+    # When the store goes away for 10 s
+    proxy.close()
+    time.sleep(10)
+    proxy.open()
+    returned = fleet.redis_time()
+
+    # Then work resumes within 5 s of its return, and every task completes
+    def started_since_return() -> bool:
+        return any(run.start > returned for run in fleet.record().runs)
+
+    wait_for(started_since_return, 5, "no task started within 5 s of the store's return")
+    fleet.wait_all_done(sent, 120)
+    record = fleet.record()
+    assert attempts_started_twice(record, sent) == {}
+    tenants = sorted({f"tenant:{job.tenant}" for job in sent.values()})
+    assert record.interval_peak("provider", distinct=True) <= PROVIDER_LIMIT
+    assert all(record.interval_peak(tenant, distinct=True) <= TENANT_LIMIT for tenant in tenants)
+    wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
+
+
+@pytest.mark.postgres
+@pytest.mark.amqp
+def test_the_waiter_behind_a_killed_run_runs_once_its_lease_expires_without_beat(make_fleet: FleetFactory) -> None:
+    lease = 5.0
+    fleet = make_fleet(
+        broker=require_service("amqp"), caps_url=require_service("postgres"), strategy="park", lease=lease
+    )
+    victim, survivor = fleet.start(2, concurrency=2)
+    scope = uuid.uuid4().hex[:16]
+
+    # Given a task holding its slot (a cap of 1) on one worker (30 s on its first run, 0.2 s when
+    # it runs again), and a task parked behind it
+    holder = fleet.app.send_task("fleet.hold", args=[scope, 30.0, 0.2]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 20, "the holder never started")
+    assert fleet.last_received(holder)[0] == victim.name  # type: ignore[index]
+    waiter = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
+    wait_parked(fleet.store, waiter)
+
+    # When that worker is killed (kill -9): nothing releases the holder's lease
+    kill = fleet.kill_main(victim)
+
+    # Then the holder runs again (its message redelivered, admitted as the same task id) and the
+    # waiter runs once the dead run's lease expires, woken by the survivor's recovery: within a
+    # lease and a few seconds of the kill
+    wait_done(fleet, waiter, lease + 10, "the waiter never ran after the kill")
+    record = fleet.record()
+    waited = record.runs_of(waiter)[0].start - kill.moment
+    assert waited < lease + 5, f"the waiter started {waited:.1f} s after the kill"
+    assert record.done[holder] == 1 and record.starts[waiter] == 1
+    assert record.interval_peak(f"one:{scope}", distinct=True) == 1
+    assert survivor.alive()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("broker", BROKERS)
+def test_under_celerys_default_prefetch_no_task_runs_twice_even_longer_than_its_dispatch(
+    make_fleet: FleetFactory, broker: str
+) -> None:
+    # Woken copies wait in prefetch buffers behind running tasks for longer than their dispatch
+    # (0.5 s here; 30 s by default against tasks longer than that): recovery dispatches them again.
+    fleet = make_fleet(
+        broker=require_service(broker), caps_url=require_service("postgres"), tenant_limit=1, strategy="park",
+        prefetch=4, dispatch_lease=0.5,
+    )  # fmt: skip
+    fleet.start(3, concurrency=1)
+
+    # When ten tasks of 1.5 s of one tenant (a cap of 1) are sent at once
+    sent = [fleet.app.send_task("fleet.tenant_only", args=["a", 1500]).id for _ in range(10)]
+
+    # Then each runs exactly once, never two bodies at a time (no fault: nothing was redelivered)
+    fleet.wait_all_done(sent, 120)
+    record = fleet.record()
+    assert {t: record.starts[t] for t in sent if record.starts[t] != 1} == {}
+    assert record.interval_peak("tenant:a") == 1  # bodies, not task ids: what the service behind counts
+    dispatched_again = sum(
+        1 for line in fleet.tails(lines=10_000).splitlines() if "the store answers for this task" in line
+    )
+    print(f"\n[park prefetch 4, {broker}] 10 tasks, once each; {dispatched_again} late copies ended")
+    wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.parametrize("sent_by", ["apply_async", "send_task"])
+def test_a_task_whose_expiry_passes_while_it_waits_never_runs(make_fleet: FleetFactory, sent_by: str) -> None:
+    redis_url = require_service("redis")
+    fleet = make_fleet(broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park")
+    fleet.start(1, concurrency=3)
+    scope = uuid.uuid4().hex[:16]
+    hold = fleet.app.tasks["fleet.hold"]
+
+    # Given a task holding its slot (a cap of 1) for 4 s
+    holder = hold.apply_async(args=[scope, 4.0]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 20, "the holder never started")
+
+    # When tasks expiring in 2 s (relative, and absolute) wait behind it (parked when sent by
+    # apply_async; parked by the worker when sent by send_task), and one that does not expire
+    def send(**options: Any) -> str:
+        if sent_by == "apply_async":
+            return str(hold.apply_async(args=[scope, 0.1], **options).id)
+        return str(fleet.app.send_task("fleet.hold", args=[scope, 0.1], **options).id)
+
+    expiring = [send(expires=2), send(expires=datetime.now(timezone.utc) + timedelta(seconds=2))]
+    lasting = send()
+
+    # Then the expiring ones never run and end REVOKED, as Celery ends expired tasks, and the
+    # slot goes on to the lasting one
+    wait_done(fleet, lasting, 30, "the task behind the expired ones never ran")
+    record = fleet.record()
+    assert [record.starts[task_id] for task_id in expiring] == [0, 0]
+    assert [fleet.app.AsyncResult(task_id).state for task_id in expiring] == ["REVOKED", "REVOKED"]
+    wait_for(lambda: fleet.leases() == [], 10, lambda: f"leases left: {fleet.leases()}")
+    assert [w for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == []
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.parametrize("routed_by", ["task_default_queue", "task_routes"])
+def test_a_woken_task_goes_to_the_wake_queue_of_the_queue_celerys_router_chooses(
+    make_fleet: FleetFactory, routed_by: str
+) -> None:
+    redis_url = require_service("redis")
+    routed = f"{uuid.uuid4().hex[:8]}-routed"
+    settings: dict[str, Any] = (
+        {"routes": json.dumps({"fleet.hold": {"queue": routed}})} if routed_by == "task_routes" else {}
+    )
+    fleet = make_fleet(
+        broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park", **settings
+    )
+    queue = routed if routed_by == "task_routes" else queue_name(fleet.prefix)
+    fleet.start(1, concurrency=2, queues=[queue_name(fleet.prefix), routed])
+    scope = uuid.uuid4().hex[:16]
+    hold = fleet.app.tasks["fleet.hold"]
+
+    # Given a task holding its slot (a cap of 1), a task parked behind it when sent (apply_async,
+    # no queue= of its own), and a backlog of twelve tasks on other slots in the same queue
+    holder = hold.apply_async(args=[scope, 1.0]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 15, "the holder never started")
+    woken = hold.apply_async(args=[scope, 0.1]).id
+    wait_parked(fleet.store, woken)
+    backlog = [hold.apply_async(args=[uuid.uuid4().hex[:16], 0.3]).id for _ in range(12)]
+
+    # When the holder ends and its release wakes the parked task
+    wait_for(lambda: fleet.record().done[woken] == 1, 30, "the woken task never ran")
+
+    # Then the woken task came through the wake queue of its queue, ahead of the backlog
+    delivery = fleet.app.AsyncResult(woken).get(timeout=10)["delivery_info"]
+    assert delivery["routing_key"] == f"{queue}{WAKE_QUEUE_SUFFIX}", delivery
+    wait_for(lambda: all(fleet.record().done[task_id] for task_id in backlog), 30, "the backlog never ran")
+    record = fleet.record()
+    released = record.runs_of(holder)[0].end or 0
+    woken_start = record.runs_of(woken)[0].start
+    queued_at_release = [run.start for t in backlog for run in record.runs_of(t) if run.start > released]
+    assert len(queued_at_release) >= 3, "the backlog was nearly done when the holder released"
+    assert sum(1 for start in queued_at_release if start < woken_start) <= 1
+    print(f"\n[park {routed_by}] release to start {woken_start - released:.3f} s, with {len(queued_at_release)} queued")
