@@ -15,13 +15,19 @@ written in batches off the admission path, only when history is enabled.
 
 A third table, ``concurrency_waiters``, is the waiting list of the *park*
 strategy: one row per parked task and slot it needs (its payload, first-deferral
-time, and once dispatched the run id and expiry of its dispatch leases).  Parking
-and waking lock the same sentinels as admission, so each is atomic with it.
+time, how many times it was dispatched, and while dispatched the run id and deadline
+of its dispatch; a tombstone has ``done_until`` set, keeps its dispatch's run id and, if
+a claim made it, the claiming holder).
+Parking and waking lock the same sentinels as admission, so each is atomic with it.
 
-Schema upgrades: ``task_name`` and ``acquired_at`` came after the first release.
-With ``create_schema`` the store adds them to an existing table (``ALTER TABLE ...
-ADD COLUMN``, nullable, so no row is rewritten); without it, a table lacking them
-still works, and leases simply show no task name or age.
+Lock order, so that no two steps wait for each other in a circle: lease rows
+before the entry they belong to (a claim, a forget and recovery's return of an
+expired dispatch take a dispatch's leases, then its entry); a run's lease rows
+before sentinels (a release); sentinels in slot order (more of them only with
+SKIP LOCKED) before the waiting entries a dispatch or a readmit changes.  Every
+change of an entry's state is conditional on the state it was read in (a waiting
+entry is dispatched only ``WHERE dispatch_run_id IS NULL``, and so on), so a step
+that lost a race to another changes nothing.
 
 Admission is one transaction: upsert-and-lock the sentinels of every slot the
 task needs (sorted, so tasks with several caps cannot deadlock), *then* count
@@ -37,8 +43,6 @@ worker processes on one machine serialise their writes.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -47,7 +51,6 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -60,18 +63,17 @@ from ..errors import ConfigurationError, StoreError
 from .base import (
     DISPATCH_HOLDER,
     PARK_ADMITTED,
+    PARK_FULL,
     PARK_LIST_FULL,
     PARK_PARKED,
-    PARK_PARKED_FIRST,
     PARK_ROOM,
+    PARK_WAITING,
     Admission,
-    Claimed,
+    ClaimOutcome,
     HistoryEvent,
     Lease,
     SlotStatus,
     SlotStore,
-    Standby,
-    StandbyDispatch,
     Waiter,
     Woken,
     green_threads,
@@ -114,9 +116,6 @@ concurrency_slots = sa.Table(
     sa.Index("ix_concurrency_slots_task_id", "task_id"),
 )
 
-#: Lease columns added after the first release; an older table may lack them.
-LEASE_DETAIL_COLUMNS = ("task_name", "acquired_at")
-
 HISTORY_TABLE_NAME = "concurrency_slots_history"
 
 concurrency_slots_history = sa.Table(
@@ -154,23 +153,13 @@ concurrency_waiters = sa.Table(
         nullable=False,
         comment="the message to publish again, in the app's serializer",
     ),
-    sa.Column("dispatch_run_id", sa.String(64), nullable=True, comment="set once dispatched"),
+    sa.Column("dispatch_run_id", sa.String(64), nullable=True, comment="set while dispatched, and on tombstones"),
     sa.Column("dispatch_expires_at", sa.Double(), nullable=True, comment="store-clock epoch seconds"),
+    sa.Column("dispatches", sa.Integer(), nullable=False, server_default="0", comment="dispatches so far"),
+    sa.Column("done_until", sa.Double(), nullable=True, comment="a tombstone until then (store-clock epoch seconds)"),
+    sa.Column("claimed_by", sa.String(255), nullable=True, comment="a claim's tombstone: the holder that claimed"),
     sa.Index("ix_concurrency_waiters_task_id", "task_id"),
     sa.Index("ix_concurrency_waiters_order", "slot", "first_deferred_at", "parked_at"),
-)
-
-STANDBY_TABLE_NAME = "concurrency_standby"
-
-concurrency_standby = sa.Table(
-    STANDBY_TABLE_NAME,
-    metadata,
-    sa.Column("task_id", _exact_text(MAX_TASK_ID_LENGTH), primary_key=True),
-    sa.Column("mark", sa.String(64), nullable=False, comment="the standby copy's mark"),
-    sa.Column("expires_at", sa.Double(), nullable=False, comment="store-clock epoch seconds"),
-    sa.Column("dispatch_run_id", sa.String(64), nullable=True, comment="set by the release that took it"),
-    sa.Column("holder", sa.String(255), nullable=True, comment="the waiting process, once it waits"),
-    sa.Column("lease_seconds", sa.Double(), nullable=True, comment="the waiting process's lease length"),
 )
 
 # The store's clock, in seconds since the epoch, per dialect.  Never the worker's.
@@ -208,31 +197,32 @@ _COUNT_LIVE = (
     "SELECT slot, COUNT(DISTINCT task_id), MAX(CASE WHEN task_id = :task_id THEN 1 ELSE 0 END) "
     "FROM concurrency_slots WHERE slot IN ({slots}) AND expires_at > {now} GROUP BY slot"
 )
+# A task being sent finds room without a lock (the common case) when no slot is full and it has no
+# entry in the waiting list: the admission count, and a row (slot NULL) per entry row of the task.
+_ROOM_NOW = (
+    _COUNT_LIVE
+    + " UNION ALL SELECT NULL, 1, 1 FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NULL"
+)
 # An upsert: a run admitted again to a slot whose lease it let expire (not swept
 # yet) replaces that row rather than colliding with its primary key.
-# ``{details}`` is empty for a table without the lease detail columns, else
-# ``task_name``/``acquired_at`` (see _lease_details).
 _INSERT_LEASES = {
     "postgresql": (
-        "INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at{columns}) VALUES {values} "
-        "ON CONFLICT (run_id, slot) DO UPDATE SET task_id = EXCLUDED.task_id, holder = EXCLUDED.holder, "
-        "expires_at = EXCLUDED.expires_at{updates}"
+        "INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at) "
+        "VALUES {values} ON CONFLICT (run_id, slot) DO UPDATE SET task_id = EXCLUDED.task_id, "
+        "holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at, task_name = EXCLUDED.task_name, "
+        "acquired_at = EXCLUDED.acquired_at"
     ),
     "mysql": (
-        "INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at{columns}) VALUES {values} "
-        "ON DUPLICATE KEY UPDATE task_id = VALUES(task_id), holder = VALUES(holder), expires_at = VALUES(expires_at)"
-        "{updates}"
+        "INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at) "
+        "VALUES {values} ON DUPLICATE KEY UPDATE task_id = VALUES(task_id), holder = VALUES(holder), "
+        "expires_at = VALUES(expires_at), task_name = VALUES(task_name), acquired_at = VALUES(acquired_at)"
     ),
     "sqlite": (
-        "INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at{columns}) VALUES {values} "
-        "ON CONFLICT (run_id, slot) DO UPDATE SET task_id = excluded.task_id, holder = excluded.holder, "
-        "expires_at = excluded.expires_at{updates}"
+        "INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at) "
+        "VALUES {values} ON CONFLICT (run_id, slot) DO UPDATE SET task_id = excluded.task_id, "
+        "holder = excluded.holder, expires_at = excluded.expires_at, task_name = excluded.task_name, "
+        "acquired_at = excluded.acquired_at"
     ),
-}
-_DETAIL_UPDATES = {
-    "postgresql": ", task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at",
-    "mysql": ", task_name = VALUES(task_name), acquired_at = VALUES(acquired_at)",
-    "sqlite": ", task_name = excluded.task_name, acquired_at = excluded.acquired_at",
 }
 _RENEW = (
     "UPDATE concurrency_slots SET expires_at = {now} + :lease_seconds WHERE run_id IN :run_ids AND expires_at > {now}"
@@ -245,6 +235,7 @@ _RELEASE_HOLDER = "DELETE FROM concurrency_slots WHERE task_id = :task_id AND ho
 _RELEASE_TASK = "DELETE FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''"
 # Sentinels have a NULL expiry, which no comparison matches: the sweep keeps them.
 _SWEEP = "DELETE FROM concurrency_slots WHERE expires_at <= {now}"
+_SWEEP_TOMBSTONES = "DELETE FROM concurrency_waiters WHERE done_until <= {now}"
 _STATUS = (
     "SELECT s.slot, s.slot_limit, "
     "(SELECT COUNT(DISTINCT l.task_id) FROM concurrency_slots l WHERE l.slot = s.slot AND l.expires_at > {now}), "
@@ -252,11 +243,9 @@ _STATUS = (
     "FROM concurrency_slots s WHERE s.run_id = '' ORDER BY s.slot"
 )
 _LEASES = (
-    "SELECT slot, task_id, run_id, holder, expires_at - {now}, {details} FROM concurrency_slots "
-    "WHERE run_id <> '' {slot_filter} ORDER BY slot, expires_at"
+    "SELECT slot, task_id, run_id, holder, expires_at - {now}, task_name, {now} - acquired_at "
+    "FROM concurrency_slots WHERE run_id <> '' {slot_filter} ORDER BY slot, expires_at"
 )
-_LEASE_DETAILS = "task_name, {now} - acquired_at"
-_NO_LEASE_DETAILS = "NULL, NULL"
 # Prune: lock the candidate sentinels first (admission locks them too, so after
 # this no lease can be added to them), count live leases in a later statement,
 # then delete sentinels and expired leases of the slots nobody holds.
@@ -270,11 +259,8 @@ _PRUNE_BATCH = 500
 # PostgreSQL admission in one round trip: the same three steps as the generic
 # transaction (lock sentinels in slot order, count, insert), in a VOLATILE
 # function whose every statement takes a fresh READ COMMITTED snapshot, so the
-# count runs after the locks are granted.  Versioned by name: a changed body
-# gets a new name instead of replacing one that running workers call.
-# v1 (no task name) stays for workers of older versions; this version creates
-# and calls v2.
-POSTGRESQL_ACQUIRE_FUNCTION = "concurrency_slots_acquire_v2"
+# count runs after the locks are granted.
+POSTGRESQL_ACQUIRE_FUNCTION = "concurrency_slots_acquire"
 # The admission steps the functions that admit share (acquire, park), over their parameters
 # p_slots/p_limits (sorted slot names and their limits), p_task_id, p_run_id, p_holder,
 # p_lease_seconds, p_task_name, and v_now/v_full: lock the sentinels in slot order (creating
@@ -319,56 +305,16 @@ BEGIN
     RETURN v_full;
 END $$
 """
-# A run's release with the park strategy in one round trip, when nobody waits (the common
-# case): delete the run's leases, then lock the freed slots' sentinels (so that a park which
-# counted this run's leases, and holds those locks, has committed: its waiter is seen) and
-# return the freed slots that have waiters; the caller wakes those in a second transaction.
-POSTGRESQL_RELEASE_FUNCTION = "concurrency_slots_release_v1"
-POSTGRESQL_RELEASE_FUNCTION_DDL = f"""
-CREATE FUNCTION {POSTGRESQL_RELEASE_FUNCTION}(p_run_id text)
-RETURNS TABLE (deleted integer, waited text[]) LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_slots text[];
-BEGIN
-    WITH gone AS (DELETE FROM concurrency_slots WHERE run_id = p_run_id RETURNING slot)
-    SELECT count(*), coalesce(array_agg(DISTINCT gone.slot), '{{}}') INTO deleted, v_slots FROM gone;
-    waited := '{{}}';
-    IF deleted > 0 THEN
-        PERFORM 1 FROM concurrency_slots WHERE run_id = '' AND slot = ANY(v_slots) ORDER BY slot FOR UPDATE;
-        SELECT coalesce(array_agg(DISTINCT w.slot), '{{}}') INTO waited FROM concurrency_waiters w
-        WHERE w.slot = ANY(v_slots) AND w.dispatch_run_id IS NULL;
-    END IF;
-    RETURN NEXT;
-END $$
-"""
-_CALL_RELEASE_FUNCTION_DRIVER = f"SELECT deleted, waited FROM {POSTGRESQL_RELEASE_FUNCTION}(%(run_id)s)"
 #: Waiter rows read per batch when a release looks for waiters to dispatch.
 _WAITING_BATCH = 64
-# A run's release with the park strategy and the wake of the waiters its slots can now
-# admit, in one round trip: the steps of the generic release-and-wake transaction
-# (``_release_and_wake`` with ``_wake_after_release`` and ``_dispatch``) in a function.
-# Delete the run's leases; lock the freed slots' sentinels, then (SKIP LOCKED: no lock-order
-# deadlock) those of the other slots their waiters need; walk the waiters of the locked slots
-# in their order (first deferral, park time, task id), streaming, and dispatch each whose
-# every slot is locked and has room; stop once every slot seen is full.  Every statement
-# takes a fresh READ COMMITTED snapshot, so counts run after the locks are granted.  A woken
-# waiter on standby is taken (its standby record gets the dispatch run id) and signalled with
-# NOTIFY, delivered when the transaction commits.  One row per woken waiter (o_task_id NULL
-# when none), each with the number of leases deleted.  v1 (no standby) stays for workers of
-# older versions; this version creates and calls v2.
-#: The NOTIFY channel of a task's standby: a fixed-length name from its task id (PostgreSQL
-#: identifiers are at most 63 bytes).  :func:`standby_channel` is the same in Python.
-STANDBY_CHANNEL_SQL = "'caps_standby_' || md5(v_task)"
 # The settings of the hot-path functions.  PL/pgSQL plans each statement for the values of its
 # first calls, then keeps re-planning ("custom plans") while a generic plan is not estimated
 # cheaper; these statements are key lookups whose best plan never depends on the values, and
-# re-planning a dozen of them cost more than running them.  A generic plan is made once per
+# re-planning a dozen of them costs more than running them.  A generic plan is made once per
 # session, though, from the statistics of that moment: a waiting list analysed while empty would
 # be scanned whole, and sorted, for ever after.  So no sequential or bitmap scan and no full sort
-# where an index gives the rows in order: every statement here is an index lookup (only the small
-# concurrency_standby table is scanned).  And no JIT: those disabled plans look expensive enough
-# to be compiled, which cost 70 ms a call here.  (A release-and-wake with 300 waiters here: 2.0 ms
-# with custom plans, 0.7 ms with these.)
+# where an index gives the rows in order: every statement here is an index lookup.  And no JIT:
+# those disabled plans look expensive enough to be compiled, which costs far more than the call.
 _GENERIC_PLANS = (
     "SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off "
     "SET enable_sort = off SET jit = off"
@@ -381,28 +327,30 @@ WAITERS_OF_SEVERAL_INDEX_DDL = (
     f"CREATE INDEX IF NOT EXISTS {WAITERS_OF_SEVERAL_INDEX} ON concurrency_waiters (slot) WHERE slot_count > 1"
 )
 # A release, and the hand-over it makes, commits without waiting for its WAL record to reach the
-# disk (synchronous_commit off for its transaction only; admission, park and renew stay durable).
-# The flush is most of a commit's wait (0.5 of 1 ms after the connection sat idle through a
-# task), and the waiter on standby is signalled only after it.  A database crash can lose the
-# last fraction of a second of such commits, never a parked task: a lost release leaves its
-# lease to expire (fewer admissions, never more), a lost hand-over leaves its waiter in the list
-# to be handed over again (its task may then run twice, as one task id: at-least-once).
+# disk (synchronous_commit off for its transaction only; admission, park, claim and renew stay
+# durable).  The flush is most of a commit's wait after the connection sat idle through a task.
+# A database crash can lose the last fraction of a second of such commits, never a parked task:
+# a lost release leaves its lease to expire (fewer admissions, never more), a lost hand-over
+# leaves its waiter in the list to be handed over again (its task may then run twice, as one
+# task id: at-least-once).
 _RELEASE_COMMITS_ASYNCHRONOUSLY = "    PERFORM set_config('synchronous_commit', 'off', true);"
-POSTGRESQL_RELEASE_AND_WAKE_FUNCTION = "concurrency_slots_release_and_wake_v4"
-# (v3: generic plans, see _GENERIC_PLANS; the other slots are looked for only when a waiter of
-# several slots waits, through a partial index; a dispatch's count is not taken again after it;
-# a waiter handed to its standby has no payload read.  v4: its transaction commits without
-# waiting for the WAL flush, see _RELEASE_COMMITS_ASYNCHRONOUSLY.  Workers of older versions
-# call the versions they created.)
+# A run's release and the wake of the waiters its slots can now admit, in one round trip: the
+# steps of the generic release-and-wake transaction (``_release_and_wake`` with
+# ``_wake_after_release`` and ``_dispatch``) in a function.  Delete the run's leases; lock the
+# freed slots' sentinels, then (SKIP LOCKED: no lock-order deadlock) those of the other slots
+# their waiters need; walk the waiters of the locked slots in their order (first deferral, park
+# time, task id), streaming, and dispatch each that waits for a freed slot and whose every slot
+# is locked and has room (and still waits: a readmit or a forget may have taken it since the walk
+# began); stop once every slot seen is full.  Every statement takes a fresh READ COMMITTED
+# snapshot, so counts run after the locks are granted.  One row per woken waiter (o_task_id NULL
+# when none), each with the number of leases deleted.
+POSTGRESQL_RELEASE_AND_WAKE_FUNCTION = "concurrency_slots_release_and_wake"
 POSTGRESQL_RELEASE_AND_WAKE_FUNCTION_DDL = f"""
 CREATE FUNCTION {POSTGRESQL_RELEASE_AND_WAKE_FUNCTION}(p_run_id text, p_dispatch_lease_seconds double precision)
 RETURNS TABLE (
-    o_deleted integer, o_task_id text, o_run_id text, o_payload bytea, o_task_name text, o_standby boolean
+    o_deleted integer, o_task_id text, o_run_id text, o_payload bytea, o_task_name text
 ) LANGUAGE plpgsql VOLATILE {_GENERIC_PLANS} AS $$
 DECLARE
-    v_mark text;
-    v_holder text;
-    v_lease double precision;
     v_full text[] := '{{}}';
     v_found_full text[];
     v_full_after text[];
@@ -460,7 +408,7 @@ BEGIN
     v_now := {_NOW["postgresql"]};
     -- One waiter's rows are adjacent in this order, read as they come (a long list is not
     -- read to its end); after the last row FETCH sets the f_ variables to NULL, which
-    -- closes the last waiter.
+    -- closes the last waiter.  (A tombstone keeps its dispatch's run id: never read here.)
     -- (One slot: an equality, so the list's index streams it in order, unsorted.)
     IF cardinality(v_locked) = 1 THEN
         OPEN v_waiters FOR
@@ -476,11 +424,12 @@ BEGIN
     LOOP
         FETCH v_waiters INTO f_task, f_slot, f_limit, f_count, f_name;
         IF v_task IS NOT NULL AND f_task IS DISTINCT FROM v_task THEN
-            -- Waiter v_task is complete: dispatch it if all its slots are locked here and
-            -- each has room (or is held by it already); a waiter passed over keeps its place.
+            -- Waiter v_task is complete: dispatch it if it waits for a released slot, all its
+            -- slots are locked here and each has room (or is held by it already); a waiter
+            -- passed over keeps its place.
             -- v_full: slots found full in this walk (only dispatches add leases while their
             -- sentinels are locked), so a waiter needing one is passed over without a count.
-            IF cardinality(v_slots) = v_count AND NOT (v_slots && v_full) THEN
+            IF cardinality(v_slots) = v_count AND v_slots && v_released AND NOT (v_slots && v_full) THEN
                 -- Full now (for this waiter: a slot it holds already has room for it), and full
                 -- once it takes a place (so that no count is needed after the dispatch).
                 SELECT coalesce(array_agg(u.slot) FILTER (WHERE NOT u.held AND u.holders >= u.slot_limit), '{{}}'),
@@ -496,47 +445,29 @@ BEGIN
                     FROM unnest(v_slots, v_limits) AS s(slot, slot_limit)) u;
                 v_full := v_full || v_found_full;
             END IF;
-            IF cardinality(v_slots) = v_count AND NOT (v_slots && v_full) THEN
-                o_task_id := v_task;
+            IF cardinality(v_slots) = v_count AND v_slots && v_released AND NOT (v_slots && v_full) THEN
                 o_run_id := md5(random()::text || clock_timestamp()::text || v_task);
-                o_task_name := v_name;
-                -- (Claimed or not, the waiter leaves the list only when its process claims:
-                -- until then the sweep can dispatch it again if that process dies.)  Its rows
-                -- first: a stand_by that holds them has committed its standby by then.
+                -- The entry answers for the task until a copy claims it (or the deadline passes).
                 UPDATE concurrency_waiters w SET dispatch_run_id = o_run_id,
-                    dispatch_expires_at = v_now + p_dispatch_lease_seconds
-                WHERE w.task_id = v_task;
-                -- A waiter on standby is taken for this dispatch; if its process waits already
-                -- (its holder is in the record), the leases are its own at once, claimed.
-                UPDATE concurrency_standby s SET dispatch_run_id = o_run_id
-                WHERE s.task_id = v_task AND s.dispatch_run_id IS NULL AND s.expires_at > v_now
-                RETURNING s.mark, s.holder, s.lease_seconds INTO v_mark, v_holder, v_lease;
-                o_standby := FOUND;
-                IF NOT o_standby THEN
-                    v_holder := NULL;
-                    v_lease := NULL;
-                END IF;
-                INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
-                SELECT o_run_id, u.slot, v_task, coalesce(v_holder, '{DISPATCH_HOLDER}'),
-                    v_now + coalesce(v_lease, p_dispatch_lease_seconds), v_name, v_now
-                FROM unnest(v_slots) AS u(slot);
-                IF o_standby THEN
-                    -- Its standby process runs it: nothing to publish, no payload to read.
-                    o_payload := NULL;
-                    PERFORM pg_notify(
-                        {STANDBY_CHANNEL_SQL},
-                        v_mark || ' ' || o_run_id || CASE WHEN v_holder IS NULL THEN ' dispatched' ELSE ' claimed' END);
-                ELSE
+                    dispatch_expires_at = v_now + p_dispatch_lease_seconds, dispatches = w.dispatches + 1
+                WHERE w.task_id = v_task AND w.dispatch_run_id IS NULL;
+                IF FOUND THEN
+                    o_task_id := v_task;
+                    o_task_name := v_name;
+                    INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
+                    SELECT o_run_id, u.slot, v_task, '{DISPATCH_HOLDER}', v_now + p_dispatch_lease_seconds, v_name,
+                        v_now
+                    FROM unnest(v_slots) AS u(slot);
                     SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = v_task LIMIT 1;
+                    v_any := true;
+                    RETURN NEXT;
+                    -- The slots this dispatch filled.
+                    v_full := v_full || v_full_after;
                 END IF;
-                v_any := true;
-                RETURN NEXT;
-                -- The slots this dispatch filled.
-                v_full := v_full || v_full_after;
             END IF;
             -- Stop once every released slot is known full: the room this release freed is
             -- handed out (other slots gain room only by their own releases, or by expiry,
-            -- which the sweep's wake serves).
+            -- which recovery serves).
             EXIT WHEN v_released <@ v_full;
             -- Every waiter_batch rows (as the generic path reads them), stop once every slot
             -- seen so far is full.
@@ -570,18 +501,17 @@ BEGIN
         o_run_id := NULL;
         o_payload := NULL;
         o_task_name := NULL;
-        o_standby := NULL;
         RETURN NEXT;
     END IF;
 END $$
 """
-# Park (the park strategy's admission) in one round trip: admission's steps, then, with a slot
-# full, the task's waiting entries (one per slot, at the store's clock), unless it waits already
-# (a duplicate waits once) or a slot's list holds p_max_waiters.  Returns the outcome (the
-# PARK_* names; 'parked_first' when a slot's list held no other task, which the caller reports
-# only if asked); with p_admit false a task with room takes nothing ('room').  v1 (no
-# 'parked_first') stays for workers of older versions; this version creates and calls v2.
-POSTGRESQL_PARK_FUNCTION = "concurrency_slots_park_v2"
+# Park (the park strategy's admission) in one round trip, in SlotStore.park's order: lock the
+# sentinels; the task's entry, waiting or dispatched, answers for it ('waiting'); admission's
+# count and leases ('admitted', or 'room' with p_admit false); without a payload, 'full'; a slot
+# whose list holds p_max_waiters entries, 'waitlist_full'; else the task's tombstone (if any)
+# gives way to its waiting entry, which keeps its count of dispatches, one row per slot at the
+# store's clock ('parked').
+POSTGRESQL_PARK_FUNCTION = "concurrency_slots_park"
 POSTGRESQL_PARK_FUNCTION_DDL = f"""
 CREATE FUNCTION {POSTGRESQL_PARK_FUNCTION}(
     p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
@@ -591,47 +521,133 @@ CREATE FUNCTION {POSTGRESQL_PARK_FUNCTION}(
 DECLARE
     v_full text[];
     v_now double precision;
-    v_first boolean;
+    v_dispatches integer;
 BEGIN
-{_PG_LOCK_SENTINELS}{_PG_FULL_SLOTS}
+{_PG_LOCK_SENTINELS}
+    IF EXISTS (SELECT 1 FROM concurrency_waiters w WHERE w.task_id = p_task_id AND w.done_until IS NULL) THEN
+        RETURN '{PARK_WAITING}';
+    END IF;
+{_PG_FULL_SLOTS}
     IF cardinality(v_full) = 0 THEN
         IF NOT p_admit THEN
             RETURN '{PARK_ROOM}';
         END IF;
 {_PG_INSERT_LEASES}        RETURN '{PARK_ADMITTED}';
     END IF;
-    IF EXISTS (SELECT 1 FROM concurrency_waiters w WHERE w.task_id = p_task_id) THEN
-        RETURN '{PARK_PARKED}';
+    IF p_payload IS NULL THEN
+        RETURN '{PARK_FULL}';
     END IF;
     IF EXISTS (
         SELECT 1 FROM unnest(p_slots) AS u(slot)
         WHERE (SELECT count(*) FROM (
-                  SELECT 1 FROM concurrency_waiters w WHERE w.slot = u.slot LIMIT p_max_waiters) n
+                  SELECT 1 FROM concurrency_waiters w
+                  WHERE w.slot = u.slot AND w.done_until IS NULL LIMIT p_max_waiters) n
               ) >= p_max_waiters)
     THEN
         RETURN '{PARK_LIST_FULL}';
     END IF;
-    v_first := EXISTS (
-        SELECT 1 FROM unnest(p_slots) AS u(slot)
-        WHERE NOT EXISTS (SELECT 1 FROM concurrency_waiters w WHERE w.slot = u.slot));
+    WITH gone AS (
+        DELETE FROM concurrency_waiters w WHERE w.task_id = p_task_id AND w.done_until IS NOT NULL
+        RETURNING w.dispatches)
+    SELECT coalesce(max(gone.dispatches), 0) INTO v_dispatches FROM gone;
     INSERT INTO concurrency_waiters
-        (slot, task_id, slot_limit, slot_count, first_deferred_at, parked_at, task_name, payload)
-    SELECT u.slot, p_task_id, u.slot_limit, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_payload
+        (slot, task_id, slot_limit, slot_count, first_deferred_at, parked_at, task_name, payload, dispatches)
+    SELECT u.slot, p_task_id, u.slot_limit, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_payload,
+        v_dispatches
     FROM unnest(p_slots, p_limits) AS u(slot, slot_limit);
-    RETURN CASE WHEN v_first THEN '{PARK_PARKED_FIRST}' ELSE '{PARK_PARKED}' END;
+    RETURN '{PARK_PARKED}';
 END $$
 """
 _CALL_PARK_FUNCTION_DRIVER = (
     f"SELECT {POSTGRESQL_PARK_FUNCTION}(%(slots)s, %(limits)s, %(task_id)s, %(run_id)s, %(holder)s, "
     "%(lease_seconds)s, %(task_name)s, %(payload)s, %(first_deferred_at)s, %(max_waiters)s, %(admit)s)"
 )
+# An entry dispatched to the claiming run leaves the list: a tombstone of p_holder's claim until
+# p_done_seconds from now if it was dispatched more than once (copies of its other dispatches
+# may be on their way), else deleted.  (Over p_task_id, p_run_id, p_holder, p_done_seconds and
+# v_now.)
+_PG_SETTLE = """
+    UPDATE concurrency_waiters w SET done_until = v_now + p_done_seconds, claimed_by = p_holder
+    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL AND w.dispatches > 1;
+    DELETE FROM concurrency_waiters w
+    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL AND w.dispatches <= 1;
+"""
+# A copy's claim in one round trip, SlotStore.claim's decision: lock the task's leases of the
+# dispatch run, then read them by the store's clock.  All live, and each a dispatch lease or
+# p_holder's (the same claim again, after its reply was lost): they become (stay) the run's, the
+# entry settles ('run').  A live lease held by another run: another copy claimed first ('admit'
+# if redelivered, else 'end').  Otherwise what is left of the dispatch's leases goes, and the
+# task's entry (locked) decides.
+POSTGRESQL_CLAIM_FUNCTION = "concurrency_slots_claim"
+POSTGRESQL_CLAIM_FUNCTION_DDL = f"""
+CREATE FUNCTION {POSTGRESQL_CLAIM_FUNCTION}(
+    p_task_id text, p_run_id text, p_holder text, p_lease_seconds double precision, p_redelivered boolean,
+    p_done_seconds double precision
+) RETURNS text LANGUAGE plpgsql VOLATILE {_GENERIC_PLANS} AS $$
+DECLARE
+    v_now double precision;
+    v_leases integer;
+    v_live integer;
+    v_live_dispatch integer;
+    v_live_claimable integer;
+    v_dispatch text;
+    v_done boolean;
+    v_claimed_by text;
+BEGIN
+    PERFORM 1 FROM concurrency_slots c WHERE c.run_id = p_run_id AND c.task_id = p_task_id FOR UPDATE;
+    v_now := {_NOW["postgresql"]};
+    SELECT count(*), count(*) FILTER (WHERE c.expires_at > v_now),
+        count(*) FILTER (WHERE c.expires_at > v_now AND c.holder = '{DISPATCH_HOLDER}'),
+        count(*) FILTER (WHERE c.expires_at > v_now AND c.holder IN ('{DISPATCH_HOLDER}', p_holder))
+    INTO v_leases, v_live, v_live_dispatch, v_live_claimable
+    FROM concurrency_slots c WHERE c.run_id = p_run_id AND c.task_id = p_task_id;
+    IF v_live > 0 AND v_live = v_leases AND v_live_claimable = v_live THEN
+        UPDATE concurrency_slots c SET holder = p_holder, expires_at = v_now + p_lease_seconds
+        WHERE c.run_id = p_run_id AND c.task_id = p_task_id;
+{_PG_SETTLE}
+        RETURN '{ClaimOutcome.RUN.value}';
+    END IF;
+    IF v_live > v_live_dispatch THEN
+        RETURN CASE WHEN p_redelivered THEN '{ClaimOutcome.ADMIT.value}' ELSE '{ClaimOutcome.END.value}' END;
+    END IF;
+    DELETE FROM concurrency_slots c
+    WHERE c.run_id = p_run_id AND c.task_id = p_task_id AND c.holder = '{DISPATCH_HOLDER}';
+    PERFORM 1 FROM concurrency_waiters w WHERE w.task_id = p_task_id FOR UPDATE;
+    SELECT w.dispatch_run_id, w.done_until IS NOT NULL, w.claimed_by INTO v_dispatch, v_done, v_claimed_by
+    FROM concurrency_waiters w WHERE w.task_id = p_task_id LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN '{ClaimOutcome.ADMIT.value}';
+    END IF;
+    IF v_done THEN
+        -- This very claim's tombstone: the claim retried, its leases expired meanwhile.
+        RETURN CASE WHEN p_redelivered OR (v_dispatch = p_run_id AND v_claimed_by = p_holder)
+            THEN '{ClaimOutcome.ADMIT.value}' ELSE '{ClaimOutcome.END.value}' END;
+    END IF;
+    IF v_dispatch IS DISTINCT FROM p_run_id THEN
+        RETURN '{ClaimOutcome.END.value}';
+    END IF;
+{_PG_SETTLE}
+    RETURN '{ClaimOutcome.ADMIT.value}';
+END $$
+"""
+_CALL_CLAIM_FUNCTION_DRIVER = (
+    f"SELECT {POSTGRESQL_CLAIM_FUNCTION}(%(task_id)s, %(run_id)s, %(holder)s, %(lease_seconds)s, "
+    "%(redelivered)s, %(done_seconds)s)"
+)
 _CALL_RELEASE_AND_WAKE_FUNCTION_DRIVER = (
-    "SELECT o_deleted, o_task_id, o_run_id, o_payload, o_task_name, o_standby "
+    "SELECT o_deleted, o_task_id, o_run_id, o_payload, o_task_name "
     f"FROM {POSTGRESQL_RELEASE_AND_WAKE_FUNCTION}(%(run_id)s, %(dispatch_lease_seconds)s)"
 )
 _CALL_ACQUIRE_FUNCTION = (
     f"SELECT {POSTGRESQL_ACQUIRE_FUNCTION}(:slots, :limits, :task_id, :run_id, :holder, :lease_seconds, :task_name)"
 )
+#: The functions the store creates, and their definitions.
+_POSTGRESQL_FUNCTIONS = {
+    POSTGRESQL_ACQUIRE_FUNCTION: POSTGRESQL_FUNCTION_DDL,
+    POSTGRESQL_RELEASE_AND_WAKE_FUNCTION: POSTGRESQL_RELEASE_AND_WAKE_FUNCTION_DDL,
+    POSTGRESQL_PARK_FUNCTION: POSTGRESQL_PARK_FUNCTION_DDL,
+    POSTGRESQL_CLAIM_FUNCTION: POSTGRESQL_CLAIM_FUNCTION_DDL,
+}
 # On the connection's search path: a function of another schema would not be found by its calls.
 _FUNCTION_EXISTS = "SELECT count(*) FROM pg_proc WHERE proname = :name AND pg_function_is_visible(oid)"
 _FUNCTIONS_PRESENT = "SELECT proname FROM pg_proc WHERE proname IN :names AND pg_function_is_visible(oid)"
@@ -649,25 +665,52 @@ _RENEW_RETURNING = (
 )
 
 # -- the waiting list (park strategy) ---------------------------------------------
+# States, by column: waiting (dispatch_run_id NULL), dispatched (dispatch_run_id set, done_until
+# NULL), tombstone (done_until set; it keeps its dispatch's run id, so "dispatch_run_id IS NULL"
+# alone selects the waiting).  ``{of_slots}`` narrows a statement to the entries that wait for
+# one of :slots (recovery of some slots).
+_OF_SLOTS = " AND task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots)"
 # Sentinels of slots that already have one: lock them in slot order (SQLite: BEGIN
 # IMMEDIATE holds the write lock already).
 _LOCK_EXISTING_SENTINELS = "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot IN :slots ORDER BY slot"
-# Per slot of :slots: its waiters, and whether :task_id is one of them; plus a row for every
-# other slot :task_id waits for (a duplicate of a parked task, whatever slots it parked for).
-_WAITERS_PER_SLOT = (
-    "SELECT slot, COUNT(*), SUM(CASE WHEN task_id = :task_id THEN 1 ELSE 0 END) "
-    "FROM concurrency_waiters WHERE slot IN :slots OR task_id = :task_id GROUP BY slot"
+_TASK_LISTED = "SELECT 1 FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NULL"
+# Entries (waiting or dispatched, not tombstones) per slot of :slots.
+_LISTED_PER_SLOT = (
+    "SELECT slot, COUNT(*) FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL GROUP BY slot"
 )
-_TASK_WAITING_SLOTS = "SELECT slot FROM concurrency_waiters WHERE task_id = :task_id"
+# A task parking again: its tombstone gives way, and its count of dispatches lives on.
+_TOMBSTONE_DISPATCHES = "SELECT dispatches FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NOT NULL"
+_DELETE_TOMBSTONE = "DELETE FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NOT NULL"
+# A task's entry: every row has the same state.
+_ENTRY = (
+    "SELECT dispatch_run_id, done_until, claimed_by, slot FROM concurrency_waiters WHERE task_id = :task_id "
+    "ORDER BY slot"
+)
 _RUN_SLOTS = "SELECT slot FROM concurrency_slots WHERE run_id = :run_id"
 _HOLDER_SLOTS = "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND holder = :holder AND run_id <> ''"
 _TASK_SLOTS = "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''"
+# The listed slots of one cap (recovery of some caps): the slot named like it, and its keys'.
+_CAP_SLOTS = (
+    "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL "
+    "AND (slot = :cap OR slot LIKE :pattern ESCAPE '/')"
+)
+# Every slot of every listed entry (waiting or dispatched) that waits for one of :slots.
+_LISTED_SLOTS = (
+    "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_id IN "
+    "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL)"
+)
 # Every slot of every waiting task that waits for one of :slots (to lock them all, in order).
 _WAITING_SLOTS = (
     "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN "
     "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND dispatch_run_id IS NULL)"
 )
-_ALL_WAITING_SLOTS = "SELECT DISTINCT slot FROM concurrency_waiters WHERE dispatch_run_id IS NULL"
+# The slots (of :slots, or any) with waiting entries where a waiter may fit: fewer live holders
+# than the highest limit its waiters were parked with (read without locks: recovery locks these).
+_SLOTS_WITH_ROOM = (
+    "SELECT w.slot FROM concurrency_waiters w WHERE w.dispatch_run_id IS NULL {slot_filter} GROUP BY w.slot "
+    "HAVING (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
+    "WHERE c.slot = w.slot AND c.expires_at > {now}) < MAX(w.slot_limit)"
+)
 # The waiters of :slots in their order, a batch at a time (keyset: from the row ordered at
 # :first/:parked/:task_id on).  Every row of one waiter has the same order key, so a waiter's
 # rows are adjacent.
@@ -681,221 +724,72 @@ _WAITING_ROWS = (
 #: Earlier than any first-deferral or park time (a finite number: MySQL has no infinity).
 _BEFORE_ANY_TIME = -1e300
 _LIVE_HOLDERS = "SELECT DISTINCT slot, task_id FROM concurrency_slots WHERE slot IN :slots AND expires_at > {now}"
+# A dispatch (with or without leases), only of an entry that still waits.
 _MARK_DISPATCHED = (
-    "UPDATE concurrency_waiters SET dispatch_run_id = :run_id, dispatch_expires_at = {now} + :lease_seconds "
-    "WHERE task_id = :task_id"
+    "UPDATE concurrency_waiters SET dispatch_run_id = :run_id, dispatch_expires_at = {now} + :lease_seconds, "
+    "dispatches = dispatches + 1 WHERE task_id = :task_id AND dispatch_run_id IS NULL"
 )
-_WAITER_PAYLOADS = "SELECT task_id, payload FROM concurrency_waiters WHERE task_id IN :task_ids"
+_WAITER_PAYLOADS = "SELECT task_id, payload, task_name FROM concurrency_waiters WHERE task_id IN :task_ids"
+# The claim (see POSTGRESQL_CLAIM_FUNCTION_DDL for the same steps in one round trip): the task's
+# leases of the dispatch run, and whether each is live.
+_CLAIM_LEASES = (
+    "SELECT holder, CASE WHEN expires_at > {now} THEN 1 ELSE 0 END FROM concurrency_slots "
+    "WHERE run_id = :run_id AND task_id = :task_id"
+)
 _CLAIM = (
     "UPDATE concurrency_slots SET holder = :holder, expires_at = {now} + :lease_seconds "
-    "WHERE run_id = :run_id AND task_id = :task_id AND expires_at > {now}"
+    "WHERE run_id = :run_id AND task_id = :task_id"
 )
-_DELETE_WAITER = "DELETE FROM concurrency_waiters WHERE task_id = :task_id"
-# A task's waiting entry dispatched to another run than the one claimed, with a live dispatch.
-_DISPATCHED_ELSEWHERE = (
-    "SELECT count(*) FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id <> :run_id "
-    "AND dispatch_expires_at > {now}"
+_SETTLE_TOMBSTONE = (
+    "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds, claimed_by = :holder WHERE task_id = :task_id "
+    "AND dispatch_run_id = :run_id AND done_until IS NULL AND dispatches > 1"
 )
-# The claim in one statement, for the PostgreSQL hot path (psycopg's parameter style), also
-# telling whether other tasks wait (not dispatched) for one of the claimed slots, and whether,
-# nothing claimed, the entry is dispatched to another live run (then it stays).  (The sub-
-# statements share one snapshot: it still has this task's waiting rows; they are left out.)
-_CLAIM_DISPATCH_TEMPLATE = (
-    "WITH {standby}claimed AS (UPDATE concurrency_slots SET holder = %(holder)s, "
-    f"expires_at = {_NOW['postgresql']} + %(lease_seconds)s "
-    f"WHERE run_id = %(run_id)s AND task_id = %(task_id)s AND expires_at > {_NOW['postgresql']} RETURNING slot), "
-    "elsewhere AS (SELECT 1 FROM concurrency_waiters w WHERE w.task_id = %(task_id)s "
-    f"AND w.dispatch_run_id <> %(run_id)s AND w.dispatch_expires_at > {_NOW['postgresql']} LIMIT 1), "
-    "unlisted AS (DELETE FROM concurrency_waiters WHERE task_id = %(task_id)s "
-    "AND (EXISTS (SELECT 1 FROM claimed) OR NOT EXISTS (SELECT 1 FROM elsewhere))) "
-    "SELECT (SELECT count(*) FROM claimed), EXISTS (SELECT 1 FROM concurrency_waiters w "
-    "WHERE w.slot IN (SELECT slot FROM claimed) AND w.dispatch_run_id IS NULL AND w.task_id <> %(task_id)s), "
-    "NOT EXISTS (SELECT 1 FROM claimed) AND EXISTS (SELECT 1 FROM elsewhere)"
+_SETTLE_DELETE = (
+    "DELETE FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id = :run_id "
+    "AND done_until IS NULL AND dispatches <= 1"
 )
-_CLAIM_DISPATCH_DRIVER = _CLAIM_DISPATCH_TEMPLATE.replace("{standby}", "")
-# The claim, also deleting the standby record of the claimed dispatch (see
-# _SETTLE_ONE_WITH_STANDBY_DRIVER): a copy that came after its standby was taken claims here.
-_CLAIM_DISPATCH_WITH_STANDBY_DRIVER = _CLAIM_DISPATCH_TEMPLATE.replace(
-    "{standby}",
-    "standby AS (DELETE FROM concurrency_standby WHERE task_id = %(task_id)s AND dispatch_run_id = %(run_id)s), ",
+_DELETE_WAITING = "DELETE FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id IS NULL"
+_TOMBSTONE = (
+    "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds "
+    "WHERE task_id = :task_id AND dispatch_run_id = :run_id AND done_until IS NULL"
 )
 _EXPIRED_DISPATCHES = (
-    "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters WHERE dispatch_expires_at <= {now}"
+    "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
+    "WHERE dispatch_expires_at <= {now} AND done_until IS NULL {of_slots} ORDER BY task_id"
 )
-_EXPIRED_DISPATCHES_OF = (
-    _EXPIRED_DISPATCHES + " AND task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots)"
-)
-# Taking waiters off the list (expired, drained) at least once: mark them (a dispatch without
-# leases), publish, then delete the published ones; a mark that is never settled expires and the
-# waiter waits again.
-_EXPIRING_TASKS = (
-    "SELECT DISTINCT task_id FROM concurrency_waiters WHERE first_deferred_at < :before AND dispatch_run_id IS NULL"
-)
-_WAITING_TASKS_OF_SLOT = (
-    "SELECT DISTINCT task_id FROM concurrency_waiters WHERE slot = :slot AND dispatch_run_id IS NULL"
-)
-_SLOTS_OF_TASKS = "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN :task_ids"
-_MARK_WAITING = (
-    "UPDATE concurrency_waiters SET dispatch_run_id = :mark, dispatch_expires_at = {now} + :hold_seconds "
-    "WHERE task_id IN :task_ids AND dispatch_run_id IS NULL"
-)
-_MARKED = (
-    "SELECT task_id, payload, task_name FROM concurrency_waiters WHERE dispatch_run_id = :mark "
-    "ORDER BY first_deferred_at, parked_at, task_id"
-)
-_SETTLE_PUBLISHED = "DELETE FROM concurrency_waiters WHERE dispatch_run_id = :mark AND task_id IN :task_ids"
-# One task settled (a task handed over on standby leaving the list), on the hot path's connection.
-_SETTLE_ONE_DRIVER = "DELETE FROM concurrency_waiters WHERE dispatch_run_id = %(mark)s AND task_id = %(task_id)s"
-# The same, also deleting the standby record the dispatch took (as the Redis store does when a
-# task leaves the list): a taken record has no use once its task left the list, and left to
-# expire (2 x caps_standby_seconds + 5 s), taken records piled up by the hundred in a busy
-# fleet, which every stand_by call scanned twice.
-_SETTLE_ONE_WITH_STANDBY_DRIVER = (
-    "WITH standby AS (DELETE FROM concurrency_standby WHERE task_id = %(task_id)s AND dispatch_run_id = %(mark)s) "
-    + _SETTLE_ONE_DRIVER
-)
-_SETTLE_FAILED = (
-    "UPDATE concurrency_waiters SET dispatch_run_id = NULL, dispatch_expires_at = NULL "
-    "WHERE dispatch_run_id = :mark AND task_id IN :task_ids"
-)
-# Prune keeps the slots parked tasks wait for (waiting or dispatched).
-_PRUNE_WAITED = "SELECT DISTINCT slot FROM concurrency_waiters WHERE slot IN :slots"
 _UNDISPATCH = (
     "UPDATE concurrency_waiters SET dispatch_run_id = NULL, dispatch_expires_at = NULL "
-    "WHERE task_id = :task_id AND dispatch_run_id = :run_id"
+    "WHERE task_id = :task_id AND dispatch_run_id = :run_id AND done_until IS NULL"
 )
-_DELETE_DISPATCH_LEASES = "DELETE FROM concurrency_slots WHERE run_id = :run_id AND holder = :holder"
+# A dispatch's leases, never a run's (a claimed lease's holder is its run's).
+_DELETE_DISPATCH_LEASES = (
+    "DELETE FROM concurrency_slots WHERE run_id = :run_id AND task_id = :task_id AND holder = :holder"
+)
+# Waiting entries to dispatch without leases, oldest first: first deferred before :before, or of :slot.
+_OVERDUE = (
+    "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
+    "WHERE dispatch_run_id IS NULL AND first_deferred_at < :before {of_slots} "
+    "ORDER BY first_deferred_at, parked_at, task_id"
+)
+_WAITING_OF_SLOT = (
+    "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
+    "WHERE slot = :slot AND dispatch_run_id IS NULL ORDER BY first_deferred_at, parked_at, task_id"
+)
+_SLOTS_OF_TASKS = "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN :task_ids"
+# Prune keeps the slots parked tasks wait for (waiting or dispatched), and takes the tombstones
+# of the slots it deletes with them.
+_PRUNE_WAITED = "SELECT DISTINCT slot FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL"
+_PRUNE_TOMBSTONES = "SELECT DISTINCT task_id FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NOT NULL"
+_DELETE_TOMBSTONES = "DELETE FROM concurrency_waiters WHERE task_id IN :task_ids AND done_until IS NOT NULL"
 _WAITERS_LIST = (
     "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id "
-    "FROM concurrency_waiters {slot_filter} ORDER BY slot, first_deferred_at, parked_at, task_id"
+    "FROM concurrency_waiters WHERE done_until IS NULL {slot_filter} "
+    "ORDER BY slot, first_deferred_at, parked_at, task_id"
 )
-
-# -- standby (PostgreSQL): waiters whose copy a pool process holds, signalled by NOTIFY ----
-# Take a dispatched waiter's live standby and signal it (delivered when the transaction commits).
-# (This path keeps the dispatch lease, which the standby process claims: no holder in the record.)
-_TAKE_STANDBY = (
-    "WITH taken AS (UPDATE concurrency_standby SET dispatch_run_id = :run_id, holder = NULL "
-    "WHERE task_id = :task_id AND dispatch_run_id IS NULL AND expires_at > {now} RETURNING mark) "
-    "SELECT pg_notify(:channel, taken.mark || ' ' || :run_id || ' dispatched') FROM taken"
-)
-# End a task's standby that no dispatch took (the task left the waiting list: a revoke) and
-# signal its waiting process (the mark alone, no run id), delivered when the transaction commits.
-_END_TASK_STANDBY = (
-    "WITH ended AS (DELETE FROM concurrency_standby WHERE task_id = :task_id AND dispatch_run_id IS NULL "
-    "RETURNING mark) SELECT pg_notify(:channel, ended.mark) FROM ended"
-)
-# Putting waiters on standby, in one round trip (``SQLAlchemyStore.stand_by``): drop expired
-# records; for each slot of p_slots (sorted), read the head of its waiting list (p_per_slot + 16
-# rows), each waiter with its live standby's mark, and choose its oldest waiters without one
-# until min(p_per_slot, the slot's limit) of them are on standby, never more than p_max_total
-# live standbys in all; lock the chosen waiters still waiting (SKIP LOCKED: one a release is
-# dispatching, or another stand_by choosing, is left out; locked here, a waiter's dispatch waits
-# for this to commit and then sees its standby); replace their taken or expired records and
-# insert new ones (ON CONFLICT: skip a waiter another release just put on standby).  One row per
-# new standby, in the order chosen: its task id, mark, payload and task name.
-POSTGRESQL_STAND_BY_FUNCTION = "concurrency_slots_stand_by_v1"
-POSTGRESQL_STAND_BY_FUNCTION_DDL = f"""
-CREATE FUNCTION {POSTGRESQL_STAND_BY_FUNCTION}(
-    p_slots text[], p_per_slot integer, p_max_total integer, p_hold_seconds double precision
-) RETURNS TABLE (o_task_id text, o_mark text, o_payload bytea, o_task_name text)
-LANGUAGE plpgsql VOLATILE {_GENERIC_PLANS} AS $$
-DECLARE
-    v_now double precision := {_NOW["postgresql"]};
-    v_room integer;
-    v_slot text;
-    v_wanted integer;
-    v_ids text[];
-    v_head_names text[];
-    v_marked boolean[];
-    v_limit integer;
-    v_chosen text[] := '{{}}';
-    v_names text[] := '{{}}';
-    v_locked text[];
-BEGIN
-    DELETE FROM concurrency_standby s WHERE s.expires_at <= v_now;
-    v_room := p_max_total - (SELECT count(*) FROM concurrency_standby s WHERE s.dispatch_run_id IS NULL);
-    FOREACH v_slot IN ARRAY p_slots LOOP
-        EXIT WHEN v_room <= cardinality(v_chosen);
-        SELECT coalesce(array_agg(h.task_id ORDER BY h.n), '{{}}'),
-               coalesce(array_agg(h.task_name ORDER BY h.n), '{{}}'),
-               coalesce(array_agg(h.mark IS NOT NULL ORDER BY h.n), '{{}}'),
-               (array_agg(h.slot_limit ORDER BY h.n))[1]
-        INTO v_ids, v_head_names, v_marked, v_limit
-        FROM (
-            SELECT w.task_id, w.slot_limit, w.task_name, s.mark,
-                row_number() OVER (ORDER BY w.first_deferred_at, w.parked_at, w.task_id) AS n
-            FROM concurrency_waiters w
-            LEFT JOIN concurrency_standby s ON s.task_id = w.task_id AND s.dispatch_run_id IS NULL
-            WHERE w.slot = v_slot AND w.dispatch_run_id IS NULL
-            ORDER BY w.first_deferred_at, w.parked_at, w.task_id LIMIT p_per_slot + 16) h;
-        CONTINUE WHEN cardinality(v_ids) = 0;
-        v_wanted := least(p_per_slot, v_limit) - cardinality(array_positions(v_marked, true));
-        FOR i IN 1 .. cardinality(v_ids) LOOP
-            EXIT WHEN v_wanted <= 0 OR v_room <= cardinality(v_chosen);
-            IF NOT v_marked[i] AND NOT (v_ids[i] = ANY(v_chosen)) THEN
-                v_chosen := v_chosen || v_ids[i];
-                v_names := v_names || v_head_names[i];
-                v_wanted := v_wanted - 1;
-            END IF;
-        END LOOP;
-    END LOOP;
-    IF cardinality(v_chosen) = 0 THEN
-        RETURN;
-    END IF;
-    SELECT coalesce(array_agg(l.task_id), '{{}}') INTO v_locked FROM (
-        SELECT w.task_id FROM concurrency_waiters w
-        WHERE w.task_id = ANY(v_chosen) AND w.dispatch_run_id IS NULL
-        FOR UPDATE SKIP LOCKED) l;
-    DELETE FROM concurrency_standby s
-    WHERE s.task_id = ANY(v_locked) AND (s.dispatch_run_id IS NOT NULL OR s.expires_at <= v_now);
-    FOR i IN 1 .. cardinality(v_chosen) LOOP
-        CONTINUE WHEN NOT (v_chosen[i] = ANY(v_locked));
-        o_mark := md5(random()::text || clock_timestamp()::text || v_chosen[i]);
-        INSERT INTO concurrency_standby (task_id, mark, expires_at)
-        VALUES (v_chosen[i], o_mark, v_now + p_hold_seconds)
-        ON CONFLICT (task_id) DO NOTHING;
-        IF FOUND THEN
-            o_task_id := v_chosen[i];
-            o_task_name := v_names[i];
-            SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = o_task_id LIMIT 1;
-            RETURN NEXT;
-        END IF;
-    END LOOP;
-END $$
-"""
-_CALL_STAND_BY_FUNCTION_DRIVER = (
-    "SELECT o_task_id, o_mark, o_payload, o_task_name "
-    f"FROM {POSTGRESQL_STAND_BY_FUNCTION}(%(slots)s, %(per_slot)s, %(max_total)s, %(hold_seconds)s)"
-)
-# The waiting process's side, on its own thread's driver connection (psycopg's style).
-_STANDBY_RECORD_DRIVER = "SELECT mark, dispatch_run_id, holder FROM concurrency_standby WHERE task_id = %(task_id)s"
-# The process waits (given a holder): a release that takes the standby from now on hands it its
-# leases claimed.  One statement: how many records it registered in (1: waiting; never in an
-# expired record, which no release takes), the seconds the record has left (the wait ends by
-# then), then the record as the statement found it (to tell a copy that came late what the
-# release took it for).
-_REGISTER_STANDBY_DRIVER = (
-    "WITH registered AS ("
-    " UPDATE concurrency_standby SET holder = %(holder)s, lease_seconds = %(lease_seconds)s"
-    " WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
-    f" AND expires_at > {_NOW['postgresql']} AND %(holder)s::text IS NOT NULL RETURNING expires_at)"
-    " SELECT (SELECT count(*) FROM registered),"
-    f" (SELECT max(expires_at) FROM registered) - {_NOW['postgresql']}, s.mark, s.dispatch_run_id, s.holder"
-    " FROM (SELECT 1) AS one LEFT JOIN concurrency_standby s ON s.task_id = %(task_id)s"
-)
-_END_STANDBY_DRIVER = (
-    "DELETE FROM concurrency_standby WHERE task_id = %(task_id)s AND mark = %(mark)s AND dispatch_run_id IS NULL"
-)
-_STANDBYS = "SELECT task_id, holder, dispatch_run_id, expires_at - {now} FROM concurrency_standby ORDER BY task_id"
 
 
 #: The slot names a warm-up rehearses the hot path on (in a transaction rolled back: never seen).
 WARM_UP_SLOT_PREFIX = "celery-caps-warm-up:"
-
-
-def standby_channel(task_id: str) -> str:
-    """The NOTIFY channel of ``task_id``'s standby (as ``STANDBY_CHANNEL_SQL`` computes it)."""
-    return "caps_standby_" + hashlib.md5(task_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 # A store that vanishes without closing its connections (a partition, a dead host)
@@ -915,6 +809,8 @@ _MYSQL_TIMEOUTS = {"connect_timeout": 10, "read_timeout": 60, "write_timeout": 6
 # Driver error codes worth one more try: MySQL deadlock / lock wait timeout.
 _RETRYABLE_MYSQL_CODES = {1213, 1205}
 _ACQUIRE_ATTEMPTS = 3
+#: Reads of a task's entry by ``forget`` while other steps keep changing it.
+_FORGET_ATTEMPTS = 5
 _SCHEMA_ATTEMPTS = 5
 
 _T = TypeVar("_T")
@@ -923,6 +819,11 @@ _T = TypeVar("_T")
 def _as_text(value: Any) -> str:
     """Name columns come back as bytes from MySQL's VARBINARY."""
     return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else value
+
+
+def _like_prefix(prefix: str) -> str:
+    """A LIKE pattern (escape character ``/``) matching the names that start with ``prefix``."""
+    return prefix.replace("/", "//").replace("%", "/%").replace("_", "/_") + "%"
 
 
 def _install_sqlite_transactions(engine: Engine) -> None:
@@ -965,8 +866,6 @@ class _DriverConnections:
         self._open: list[Any] = []
         #: Connections opened ahead of use, for the next threads that need one.
         self._spares: list[Any] = []
-        #: The thread that ends a standby's LISTEN once the standby is over (off the task's path).
-        self._unlistener: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
         self._error: type[Exception] = engine.dialect.loaded_dbapi.Error
 
@@ -1043,63 +942,6 @@ class _DriverConnections:
         finally:
             self._local.connection = earlier
 
-    def listening(self, channel: str, statement: str, params: Mapping[str, Any], work: Callable[[Any, Any], _T]) -> _T:
-        """``work(psycopg connection, row)`` while this thread's connection listens to ``channel``;
-        ``row`` is the first row of ``statement``, run in the same round trip and transaction
-        as the ``LISTEN`` (a psycopg pipeline; two round trips where libpq has none).
-
-        Once ``work`` is done, the connection stops listening, from another thread: PostgreSQL
-        wakes every listening session of the database on each ``NOTIFY`` (measured here, 16
-        idle listeners made a notification's delivery about 0.5 ms slower), and a pool process
-        runs its task on this connection after its standby.  An ``UNLISTEN`` in this thread
-        would cost the task a round trip before it starts.
-
-        Raises the driver's error after invalidating the connection.
-        """
-        from psycopg import Pipeline, sql
-
-        fairy = self._connection()
-        connection = fairy.driver_connection
-        lock = fairy.info.setdefault(_LISTEN_LOCK, threading.Lock())
-        with lock:
-            # A pending UNLISTEN of an earlier standby now finds a newer listen, and skips it.
-            generation = fairy.info[_LISTEN_GENERATION] = fairy.info.get(_LISTEN_GENERATION, 0) + 1
-        listen = sql.SQL("LISTEN {}").format(sql.Identifier(channel))
-        try:
-            if Pipeline.is_supported():
-                with connection.pipeline():
-                    connection.execute("UNLISTEN *")
-                    connection.execute(listen)
-                    cursor = connection.execute(statement, params)
-            else:
-                connection.execute(sql.SQL("UNLISTEN *; {}").format(listen))
-                cursor = connection.execute(statement, params)
-            return work(connection, cursor.fetchone())
-        except self._error:
-            self._drop(fairy)
-            raise
-        finally:
-            if fairy in self._open:
-                self._unlisten_soon(fairy, generation)
-
-    def _unlisten_soon(self, fairy: Any, generation: int) -> None:
-        with self._lock:
-            if self._unlistener is None:
-                self._unlistener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="celery-caps-unlisten")
-            unlistener = self._unlistener
-
-        def unlisten() -> None:
-            with fairy.info[_LISTEN_LOCK]:
-                if fairy.info.get(_LISTEN_GENERATION) != generation or fairy not in self._open:
-                    return  # listening for a newer standby, or closed
-                try:
-                    fairy.driver_connection.execute("UNLISTEN *")
-                except self._error as exc:  # its thread's next call finds the connection broken
-                    logger.debug("UNLISTEN failed (%s)", exc)
-
-        with contextlib.suppress(RuntimeError):  # shut down (closing): the connection goes too
-            unlistener.submit(unlisten)
-
     def _drop(self, fairy: Any) -> None:
         self._local.connection = None
         with self._lock:
@@ -1116,7 +958,6 @@ class _DriverConnections:
         _INHERITED_CONNECTIONS.extend(self._open)
         self._open = []
         self._spares = []
-        self._unlistener = None  # its thread is the parent's
         self._local = threading.local()
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -1128,9 +969,6 @@ class _DriverConnections:
         with self._lock:
             open_connections, self._open = self._open, []
             self._spares = []
-            unlistener, self._unlistener = self._unlistener, None
-        if unlistener is not None:
-            unlistener.shutdown(wait=False, cancel_futures=True)
         for fairy in open_connections:
             try:
                 fairy.invalidate()
@@ -1141,10 +979,6 @@ class _DriverConnections:
 
 #: Driver connections a forked process inherited: kept, never used or closed.
 _INHERITED_CONNECTIONS: list[Any] = []
-#: Keys of a driver connection's ``info``: the lock and count of its standby listens (a pending
-#: UNLISTEN must not end a newer standby's LISTEN).
-_LISTEN_LOCK = "celery_caps_listen_lock"
-_LISTEN_GENERATION = "celery_caps_listen_generation"
 
 
 class SQLAlchemyStore(SlotStore):
@@ -1182,21 +1016,21 @@ class SQLAlchemyStore(SlotStore):
             if self.dialect == "postgresql"
             else self._engine
         )
+        # PostgreSQL: which functions the hot path calls (known after _prepare; without one, its
+        # step runs as the generic transaction).
         self._use_acquire_function = False
-        self._use_release_function = False
         self._use_release_and_wake_function = False
         self._use_park_function = False
-        self._use_stand_by_function = False
-        # Whether concurrency_standby is there (PostgreSQL only); known after _prepare.
-        self._standby_table = False
+        self._use_claim_function = False
         self._driver: _DriverConnections | None = None
-        # Whether the table has the lease detail columns; known after _prepare.
-        self._lease_details = True
         now = _NOW[self.dialect]
         self._now = now
         self._lock_statements: dict[int, sa.TextClause] = {}
         self._count_statements: dict[int, sa.TextClause] = {}
+        self._room_statements: dict[int, sa.TextClause] = {}
         self._insert_statements: dict[int, sa.TextClause] = {}
+        self._insert_template = _INSERT_LEASES[self.dialect]
+        self._insert_row = f"(:run_id, :s{{i}}, :task_id, :holder, {now} + :lease_seconds, :task_name, {now})"
         run_ids: sa.BindParameter[list[str]] = sa.bindparam("run_ids", expanding=True)
         self._renew = sa.text(_RENEW.format(now=now)).bindparams(run_ids)
         self._renewed = sa.text(_RENEWED.format(now=now)).bindparams(run_ids)
@@ -1206,8 +1040,10 @@ class SQLAlchemyStore(SlotStore):
         self._release_holder = sa.text(_RELEASE_HOLDER)
         self._release_task = sa.text(_RELEASE_TASK)
         self._sweep = sa.text(_SWEEP.format(now=now))
+        self._sweep_tombstones = sa.text(_SWEEP_TOMBSTONES.format(now=now))
         self._status = sa.text(_STATUS.format(now=now))
-        self._use_lease_details(True)
+        self._all_leases = sa.text(_LEASES.format(now=now, slot_filter=""))
+        self._slot_leases = sa.text(_LEASES.format(now=now, slot_filter="AND slot = :slot"))
         self._prune_candidates = sa.text(_PRUNE_CANDIDATES)
         # SQLite has no FOR UPDATE: BEGIN IMMEDIATE already holds the write lock.
         self._prune_locked_candidates = sa.text(_PRUNE_CANDIDATES + ("" if self.dialect == "sqlite" else " FOR UPDATE"))
@@ -1217,44 +1053,51 @@ class SQLAlchemyStore(SlotStore):
 
     def _parking_statements(self) -> dict[str, sa.TextClause]:
         """The waiting-list statements, with expanding lists bound."""
-        lock_suffix = "" if self.dialect == "sqlite" else " FOR UPDATE"
+        # SQLite has no FOR UPDATE: BEGIN IMMEDIATE already holds the write lock.
+        for_update = "" if self.dialect == "sqlite" else " FOR UPDATE"
         templates = {
-            "lock": _LOCK_EXISTING_SENTINELS + lock_suffix,
+            "lock": _LOCK_EXISTING_SENTINELS + for_update,
             # Slots beyond those a release already locked: take what is free, never wait
             # (waiting out of slot order could deadlock); a waiter needing a skipped slot
-            # is passed over this time and dispatched by a later release or the sweep.
+            # is passed over this time and dispatched by a later release or by recovery.
             "lock_more": _LOCK_EXISTING_SENTINELS + ("" if self.dialect == "sqlite" else " FOR UPDATE SKIP LOCKED"),
-            "task_waiting_slots": _TASK_WAITING_SLOTS,
-            "waiters_per_slot": _WAITERS_PER_SLOT,
+            "task_listed": _TASK_LISTED,
+            "listed_per_slot": _LISTED_PER_SLOT,
+            "tombstone_dispatches": _TOMBSTONE_DISPATCHES,
+            "delete_tombstone": _DELETE_TOMBSTONE,
+            "entry": _ENTRY,
+            "lock_entry": _ENTRY + for_update,
             "run_slots": _RUN_SLOTS,
             "holder_slots": _HOLDER_SLOTS,
             "task_slots": _TASK_SLOTS,
             "waiting_slots": _WAITING_SLOTS,
-            "all_waiting_slots": _ALL_WAITING_SLOTS,
+            "cap_slots": _CAP_SLOTS,
+            "listed_slots": _LISTED_SLOTS,
+            "slots_with_room": _SLOTS_WITH_ROOM.replace("{slot_filter}", "AND w.slot IN :slots"),
+            "all_slots_with_room": _SLOTS_WITH_ROOM.replace("{slot_filter}", ""),
             "waiting_rows": _WAITING_ROWS,
             "live": _LIVE_HOLDERS,
             "mark_dispatched": _MARK_DISPATCHED,
             "payloads": _WAITER_PAYLOADS,
+            "claim_leases": _CLAIM_LEASES + for_update,
             "claim": _CLAIM,
-            "delete_waiter": _DELETE_WAITER,
-            "dispatched_elsewhere": _DISPATCHED_ELSEWHERE,
-            "expired_dispatches": _EXPIRED_DISPATCHES,
-            "expired_dispatches_of": _EXPIRED_DISPATCHES_OF,
-            "prune_waited": _PRUNE_WAITED,
-            "expiring_tasks": _EXPIRING_TASKS,
-            "waiting_tasks_of_slot": _WAITING_TASKS_OF_SLOT,
-            "slots_of_tasks": _SLOTS_OF_TASKS,
-            "mark_waiting": _MARK_WAITING,
-            "marked": _MARKED,
-            "settle_published": _SETTLE_PUBLISHED,
-            "settle_failed": _SETTLE_FAILED,
+            "settle_tombstone": _SETTLE_TOMBSTONE,
+            "settle_delete": _SETTLE_DELETE,
+            "delete_waiting": _DELETE_WAITING,
+            "tombstone": _TOMBSTONE,
+            "expired_dispatches": _EXPIRED_DISPATCHES.replace("{of_slots}", ""),
+            "expired_dispatches_of": _EXPIRED_DISPATCHES.replace("{of_slots}", _OF_SLOTS),
             "undispatch": _UNDISPATCH,
             "delete_dispatch_leases": _DELETE_DISPATCH_LEASES,
+            "overdue": _OVERDUE.replace("{of_slots}", ""),
+            "overdue_of": _OVERDUE.replace("{of_slots}", _OF_SLOTS),
+            "waiting_of_slot": _WAITING_OF_SLOT,
+            "slots_of_tasks": _SLOTS_OF_TASKS,
+            "prune_waited": _PRUNE_WAITED,
+            "prune_tombstones": _PRUNE_TOMBSTONES,
+            "delete_tombstones": _DELETE_TOMBSTONES,
             "waiters_all": _WAITERS_LIST.replace("{slot_filter}", ""),
-            "waiters_slot": _WAITERS_LIST.replace("{slot_filter}", "WHERE slot = :slot"),
-            "take_standby": _TAKE_STANDBY,
-            "end_task_standby": _END_TASK_STANDBY,
-            "standbys": _STANDBYS,
+            "waiters_slot": _WAITERS_LIST.replace("{slot_filter}", "AND slot = :slot"),
         }
         statements = {}
         for name, template in templates.items():
@@ -1264,20 +1107,6 @@ class SQLAlchemyStore(SlotStore):
                     statement = statement.bindparams(sa.bindparam(expanding, expanding=True))
             statements[name] = statement
         return statements
-
-    def _use_lease_details(self, present: bool) -> None:
-        """Pick the statements for a table with (or without) ``task_name``/``acquired_at``."""
-        self._lease_details = present
-        details = _LEASE_DETAILS.format(now=self._now) if present else _NO_LEASE_DETAILS
-        self._all_leases = sa.text(_LEASES.format(now=self._now, slot_filter="", details=details))
-        self._slot_leases = sa.text(_LEASES.format(now=self._now, slot_filter="AND slot = :slot", details=details))
-        template = _INSERT_LEASES[self.dialect]
-        self._insert_template = template.replace("{columns}", ", task_name, acquired_at" if present else "").replace(
-            "{updates}", _DETAIL_UPDATES[self.dialect] if present else ""
-        )
-        self._insert_row = "(:run_id, :s{i}, :task_id, :holder, " + self._now + " + :lease_seconds"
-        self._insert_row += ", :task_name, " + self._now + ")" if present else ")"
-        self._insert_statements.clear()
 
     @staticmethod
     def _create_engine(url: str) -> Engine:
@@ -1333,7 +1162,7 @@ class SQLAlchemyStore(SlotStore):
     # -- plumbing ---------------------------------------------------------------
 
     def create_schema(self) -> None:
-        """Create ``concurrency_slots``, its indexes and (PostgreSQL) the admission function if missing."""
+        """Create the tables, their indexes and (PostgreSQL) the functions if missing."""
         for attempt in range(1, _SCHEMA_ATTEMPTS + 1):
             try:
                 metadata.create_all(self._engine, checkfirst=True)
@@ -1351,16 +1180,9 @@ class SQLAlchemyStore(SlotStore):
                 if attempt == _SCHEMA_ATTEMPTS or not isinstance(exc, sa.exc.OperationalError):
                     raise self._wrap("creating the schema", exc) from exc
                 time.sleep(0.05 * attempt)
-        self._add_missing_lease_columns()
         if self.dialect == "postgresql":
             try:
-                for function, ddl in (
-                    (POSTGRESQL_ACQUIRE_FUNCTION, POSTGRESQL_FUNCTION_DDL),
-                    (POSTGRESQL_RELEASE_FUNCTION, POSTGRESQL_RELEASE_FUNCTION_DDL),
-                    (POSTGRESQL_RELEASE_AND_WAKE_FUNCTION, POSTGRESQL_RELEASE_AND_WAKE_FUNCTION_DDL),
-                    (POSTGRESQL_PARK_FUNCTION, POSTGRESQL_PARK_FUNCTION_DDL),
-                    (POSTGRESQL_STAND_BY_FUNCTION, POSTGRESQL_STAND_BY_FUNCTION_DDL),
-                ):
+                for function, ddl in _POSTGRESQL_FUNCTIONS.items():
                     with self._engine.begin() as connection:
                         name = {"name": function}
                         connection.execute(sa.text(_FUNCTION_CREATION_LOCK), name)
@@ -1371,39 +1193,10 @@ class SQLAlchemyStore(SlotStore):
                     connection.execute(sa.text(_FUNCTION_CREATION_LOCK), {"name": WAITERS_OF_SEVERAL_INDEX})
                     connection.exec_driver_sql(WAITERS_OF_SEVERAL_INDEX_DDL)
             except sa.exc.SQLAlchemyError as exc:
-                raise self._wrap("creating the admission function", exc) from exc
-
-    def _has_table(self, name: str) -> bool:
-        try:
-            return sa.inspect(self._engine).has_table(name)
-        except sa.exc.SQLAlchemyError as exc:
-            raise self._wrap("checking the schema", exc) from exc
-
-    def _missing_lease_columns(self) -> list[str]:
-        try:
-            present = {column["name"] for column in sa.inspect(self._engine).get_columns(TABLE_NAME)}
-        except sa.exc.SQLAlchemyError as exc:
-            raise self._wrap("checking the schema", exc) from exc
-        return [name for name in LEASE_DETAIL_COLUMNS if name not in present]
-
-    def _add_missing_lease_columns(self) -> None:
-        """Upgrade a table created by an older version: add the nullable detail columns.
-
-        Nullable columns without a default change no row, so this is quick on
-        every dialect.  Workers racing to add a column: the losers find it there.
-        """
-        for name in self._missing_lease_columns():
-            column_type = concurrency_slots.c[name].type.compile(dialect=self._engine.dialect)
-            try:
-                with self._engine.begin() as connection:
-                    connection.exec_driver_sql(f"ALTER TABLE {TABLE_NAME} ADD COLUMN {name} {column_type}")
-                logger.info("added column %s to %s", name, TABLE_NAME)
-            except sa.exc.SQLAlchemyError as exc:
-                if name in self._missing_lease_columns():
-                    raise self._wrap(f"adding column {name}", exc) from exc
+                raise self._wrap("creating the store's functions", exc) from exc
 
     def _prepare(self) -> None:
-        """First use in this process: create the schema if asked, pick the admission path."""
+        """First use in this process: create the schema if asked, pick the PostgreSQL functions."""
         with self._prepare_lock:
             if not self._schema_ready:
                 self._prepare_once()
@@ -1411,40 +1204,25 @@ class SQLAlchemyStore(SlotStore):
     def _prepare_once(self) -> None:
         if self._create_schema:
             self.create_schema()
-        missing = self._missing_lease_columns()
-        self._use_lease_details(not missing)
-        if missing:
-            logger.info(
-                "%s lacks column(s) %s (caps_create_schema is off): leases are listed without task name or age",
-                TABLE_NAME,
-                ", ".join(missing),
-            )
         if self.dialect == "postgresql":
             try:
-                names = [
-                    POSTGRESQL_ACQUIRE_FUNCTION,
-                    POSTGRESQL_RELEASE_FUNCTION,
-                    POSTGRESQL_RELEASE_AND_WAKE_FUNCTION,
-                    POSTGRESQL_PARK_FUNCTION,
-                    POSTGRESQL_STAND_BY_FUNCTION,
-                ]
                 present_query = sa.text(_FUNCTIONS_PRESENT).bindparams(sa.bindparam("names", expanding=True))
                 with self._engine.connect() as connection:
-                    present = {row[0] for row in connection.execute(present_query, {"names": names})}
+                    present = {
+                        row[0] for row in connection.execute(present_query, {"names": list(_POSTGRESQL_FUNCTIONS)})
+                    }
             except sa.exc.SQLAlchemyError as exc:
                 raise self._wrap("checking the schema", exc) from exc
-            found = POSTGRESQL_ACQUIRE_FUNCTION in present
-            self._use_acquire_function = found and not missing
-            self._use_release_function = POSTGRESQL_RELEASE_FUNCTION in present
+            self._use_acquire_function = POSTGRESQL_ACQUIRE_FUNCTION in present
             self._use_release_and_wake_function = POSTGRESQL_RELEASE_AND_WAKE_FUNCTION in present
-            self._use_park_function = POSTGRESQL_PARK_FUNCTION in present and not missing
-            self._use_stand_by_function = POSTGRESQL_STAND_BY_FUNCTION in present
-            self._standby_table = self._has_table(STANDBY_TABLE_NAME)
-            if not found:
+            self._use_park_function = POSTGRESQL_PARK_FUNCTION in present
+            self._use_claim_function = POSTGRESQL_CLAIM_FUNCTION in present
+            missing = sorted(set(_POSTGRESQL_FUNCTIONS) - present)
+            if missing:
                 logger.info(
-                    "%s() is missing (caps_create_schema is off): admitting with a three-statement "
-                    "transaction instead; create it from POSTGRESQL_FUNCTION_DDL for one round trip",
-                    POSTGRESQL_ACQUIRE_FUNCTION,
+                    "%s missing (caps_create_schema is off): their steps run as transactions of several "
+                    "statements instead; create them from the store's POSTGRESQL_*_DDL for one round trip each",
+                    ", ".join(f"{name}()" for name in missing),
                 )
         self._schema_ready = True
 
@@ -1522,12 +1300,19 @@ class SQLAlchemyStore(SlotStore):
 
     def _lock_and_count(self, connection: Connection, slots: Mapping[str, int], params: dict[str, Any]) -> list[str]:
         """Lock the slots' sentinels (sorted), then count live holders: the full slots, sorted."""
-        count = len(slots)
+        self._lock_sentinels(connection, slots, params)
+        return self._full_slots(connection, slots, params)
+
+    def _lock_sentinels(self, connection: Connection, slots: Mapping[str, int], params: dict[str, Any]) -> None:
+        """Lock the slots' sentinels, in slot order, creating missing ones (recording the limits)."""
         lock = self._statement(
-            self._lock_statements, _LOCK_SENTINELS[self.dialect], count, "('', :s{i}, '', '', :l{i})"
+            self._lock_statements, _LOCK_SENTINELS[self.dialect], len(slots), "('', :s{i}, '', '', :l{i})"
         )
         connection.execute(lock, params)
-        count_live = self._statement(self._count_statements, _COUNT_LIVE, count, "")
+
+    def _full_slots(self, connection: Connection, slots: Mapping[str, int], params: dict[str, Any]) -> list[str]:
+        """Count live holders (in a statement after the locks): the full slots, sorted."""
+        count_live = self._statement(self._count_statements, _COUNT_LIVE, len(slots), "")
         return sorted(
             _as_text(slot)
             for slot, holders, holds_already in connection.execute(count_live, params)
@@ -1625,40 +1410,33 @@ class SQLAlchemyStore(SlotStore):
             self._transaction("warming up", lambda connection: connection.exec_driver_sql("SELECT 1"))
 
     def _rehearse_hot_path(self, driver: _DriverConnections) -> None:
-        """A task's store calls, each path of them once, on a slot of its own (the caller
-        rolls it all back): admission; with parking, a park, a standby and the release that
-        hands it over, its claim, and a dispatch through the broker and its claim."""
+        """A task's store calls, each path of them once, on a slot of its own (the caller rolls
+        it all back, on ``driver``'s connection): admission; with parking, a park (new and
+        again), the release that hands the slot over, the claims of that dispatch (by its copy,
+        by a second copy) and of an unknown one, and a release with nobody waiting."""
+        functions = (self._use_park_function, self._use_release_and_wake_function, self._use_claim_function)
         if not self._use_acquire_function:
             return  # admission runs in pooled transactions of its own, which would commit
         slot = f"{WARM_UP_SLOT_PREFIX}{uuid.uuid4().hex}"
         slots = {slot: 1}
         holder, lease = "celery-caps-warm-up", 60.0
-        first_task, first_run, standby_task, standby_run, woken_task, woken_run = (uuid.uuid4().hex for _ in range(6))
+        first_task, first_run, waiter_task, waiter_run, other_task, other_run = (uuid.uuid4().hex for _ in range(6))
         if not self.acquire(slots, first_task, first_run, holder, lease).granted:
             return  # (cannot happen: nobody else sees this slot)
-        if not (self.supports_parking and self._use_park_function and self._use_release_and_wake_function):
+        if not all(functions):
             self.release(first_run)
             return
-
-        def park(task_id: str, run_id: str) -> None:
+        for _ in range(2):  # parked, then waiting already
             self.park(
-                slots, task_id, run_id, holder, lease, payload=b"", first_deferred_at=time.time(), max_waiters=10,
-                report_first=True,
+                slots, waiter_task, waiter_run, holder, lease, payload=b"", first_deferred_at=time.time(),
+                max_waiters=10,
             )  # fmt: skip
-
-        park(standby_task, standby_run)
-        if self.supports_standby:
-            for standby in self.stand_by([slot], 1, 2**31 - 1, lease):
-                params = {"task_id": standby.task_id, "mark": standby.run_id, "holder": holder, "lease_seconds": lease}
-                self._driver_call("warming up", driver, _REGISTER_STANDBY_DRIVER, params)
         _deleted, woken = self.release_and_wake(first_run, lease)
         for waiter in woken:
-            self.claim(waiter.task_id, waiter.run_id, holder, lease)
-            park(woken_task, woken_run)
-            _deleted, dispatched = self.release_and_wake(waiter.run_id, lease)
-            for task in dispatched:
-                self.claim_dispatch(task.task_id, task.run_id, holder, lease)
-                self.release_and_wake(task.run_id, lease)
+            for _ in range(2):  # run, then end (another copy runs it)
+                self.claim(waiter.task_id, waiter.run_id, holder, lease)
+            self.claim(other_task, other_run, holder, lease)
+            self.release_and_wake(waiter.run_id, lease)
 
     def _driver_call(self, operation: str, driver: _DriverConnections, sql: str, params: Mapping[str, Any]) -> Any:
         try:
@@ -1707,7 +1485,12 @@ class SQLAlchemyStore(SlotStore):
         return self._delete("release", self._release_task, {"task_id": task_id})
 
     def sweep(self) -> int:
-        return self._delete("sweep", self._sweep, {})
+        def sweep(connection: Connection) -> int:
+            deleted = int(connection.execute(self._sweep).rowcount)
+            connection.execute(self._sweep_tombstones)
+            return deleted
+
+        return self._transaction("sweep", sweep)
 
     def status(self) -> list[SlotStatus]:
         def read(connection: Connection) -> list[SlotStatus]:
@@ -1719,8 +1502,6 @@ class SQLAlchemyStore(SlotStore):
         return self._transaction("status", read, single_statement=True)
 
     def leases(self, slot: str | None = None) -> list[Lease]:
-        if not self._schema_ready:
-            self._prepare()
         statement, params = (self._all_leases, {}) if slot is None else (self._slot_leases, {"slot": slot})
 
         def read(connection: Connection) -> list[Lease]:
@@ -1740,15 +1521,10 @@ class SQLAlchemyStore(SlotStore):
         return self._transaction("leases", read, single_statement=True)
 
     def prune(self, prefix: str, *, dry_run: bool = False) -> list[str]:
-        escaped = prefix.replace("/", "//").replace("%", "/%").replace("_", "/_") + "%"
         # MySQL's name columns are VARBINARY: match bytes.
-        pattern = self._exact(escaped)
+        pattern = self._exact(_like_prefix(prefix))
         candidates = self._prune_candidates if dry_run else self._prune_locked_candidates
-
-        if not self._schema_ready:
-            self._prepare()
-        # A table from before the waiting list (caps_create_schema off) has no waiters to keep.
-        waiters_table = self._has_table(WAITERS_TABLE_NAME)
+        statements = self._parking
 
         def prune(connection: Connection) -> list[str]:
             slots = [row[0] for row in connection.execute(candidates, {"pattern": pattern})]
@@ -1756,12 +1532,16 @@ class SQLAlchemyStore(SlotStore):
             for start in range(0, len(slots), _PRUNE_BATCH):
                 batch = slots[start : start + _PRUNE_BATCH]
                 held.update(row[0] for row in connection.execute(self._prune_live, {"slots": batch}))
-                if waiters_table:
-                    held.update(row[0] for row in connection.execute(self._parking["prune_waited"], {"slots": batch}))
+                held.update(row[0] for row in connection.execute(statements["prune_waited"], {"slots": batch}))
             doomed = [slot for slot in slots if slot not in held]
             if not dry_run:
                 for start in range(0, len(doomed), _PRUNE_BATCH):
-                    connection.execute(self._prune_delete, {"slots": doomed[start : start + _PRUNE_BATCH]})
+                    batch = doomed[start : start + _PRUNE_BATCH]
+                    connection.execute(self._prune_delete, {"slots": batch})
+                    # A tombstone of a task that needed a pruned slot goes whole.
+                    tombstones = self._names(connection, "prune_tombstones", "slots", batch)
+                    if tombstones:
+                        connection.execute(statements["delete_tombstones"], {"task_ids": sorted(tombstones)})
             return sorted(_as_text(slot) for slot in doomed)
 
         return self._transaction("prune", prune, attempts=_ACQUIRE_ATTEMPTS)
@@ -1847,12 +1627,11 @@ class SQLAlchemyStore(SlotStore):
         holder: str,
         lease_seconds: float,
         *,
-        payload: bytes,
+        payload: bytes | None,
         first_deferred_at: float,
         max_waiters: int,
         task_name: str | None = None,
         admit: bool = True,
-        report_first: bool = False,
     ) -> str:
         if not run_id:
             raise ValueError("run_id must be non-empty")
@@ -1864,7 +1643,7 @@ class SQLAlchemyStore(SlotStore):
         count = len(ordered)
         params = self._admission_params(slots, task_id, run_id, holder, lease_seconds, task_name)
         statements = self._parking
-        if not admit and not self._full_now(slots, params):
+        if not admit and self._room_now(slots, params):
             # A task being sent to a cap with room (the common case) costs one read, no lock.
             return PARK_ROOM
         driver = self._driver_connections() if self._use_park_function else None
@@ -1875,23 +1654,26 @@ class SQLAlchemyStore(SlotStore):
                 "payload": payload, "first_deferred_at": first_deferred_at, "max_waiters": max_waiters,
                 "admit": admit,
             }  # fmt: skip
-            outcome = str(self._driver_call("park", driver, _CALL_PARK_FUNCTION_DRIVER, call).fetchone()[0])
-            return PARK_PARKED if outcome == PARK_PARKED_FIRST and not report_first else outcome
+            return str(self._driver_call("park", driver, _CALL_PARK_FUNCTION_DRIVER, call).fetchone()[0])
 
         def park(connection: Connection) -> str:
-            # The same locks and count as acquire: parking is atomic with admission.
-            if not self._lock_and_count(connection, slots, params):
+            # The same locks as acquire, then (read after them) the task's entry and the room:
+            # parking is atomic with admission.
+            self._lock_sentinels(connection, slots, params)
+            if connection.execute(statements["task_listed"], params).first() is not None:
+                return PARK_WAITING
+            if not self._full_slots(connection, slots, params):
                 if not admit:
                     return PARK_ROOM
                 self._insert_leases(connection, count, params)
                 return PARK_ADMITTED
-            per_slot = connection.execute(statements["waiters_per_slot"], {"slots": ordered, "task_id": task_id}).all()
-            if any(mine for _slot, _waiting, mine in per_slot):
-                return PARK_PARKED  # a duplicate of a parked task: it waits once
-            if any(waiting >= max_waiters for _slot, waiting, _mine in per_slot):
+            if payload is None:
+                return PARK_FULL
+            listed = connection.execute(statements["listed_per_slot"], {"slots": ordered}).all()
+            if any(entries >= max_waiters for _slot, entries in listed):
                 return PARK_LIST_FULL
-            # (Rows come only for slots with waiters, none of them this task's.)
-            first = report_first and len(per_slot) < count
+            dispatches = connection.execute(statements["tombstone_dispatches"], params).scalar() or 0
+            connection.execute(statements["delete_tombstone"], params)
             parked_at: sa.ColumnElement[Any] = sa.literal_column(self._now)  # the store's clock, in the insert
             connection.execute(
                 concurrency_waiters.insert().values(
@@ -1905,25 +1687,32 @@ class SQLAlchemyStore(SlotStore):
                             "parked_at": parked_at,
                             "task_name": task_name,
                             "payload": payload,
+                            "dispatches": dispatches,
                         }
                         for slot in ordered
                     ]
                 )
             )
-            return PARK_PARKED_FIRST if first else PARK_PARKED
+            return PARK_PARKED
 
         return self._transaction("park", park, attempts=_ACQUIRE_ATTEMPTS)
 
-    def _full_now(self, slots: Mapping[str, int], params: dict[str, Any]) -> bool:
-        """Whether a slot looks full now: the admission count, without its locks."""
-        count_live = self._statement(self._count_statements, _COUNT_LIVE, len(slots), "")
+    def _room_now(self, slots: Mapping[str, int], params: dict[str, Any]) -> bool:
+        """Whether every slot has room for the task and it has no entry, by a read without locks."""
+        room_now = self._statement(self._room_statements, _ROOM_NOW, len(slots), "")
         rows = self._transaction(
-            "park", lambda connection: connection.execute(count_live, params).all(), single_statement=True
+            "park", lambda connection: connection.execute(room_now, params).all(), single_statement=True
         )
-        return any(not holds and holders >= slots[_as_text(slot)] for slot, holders, holds in rows)
+        # (A row without a slot is one of the task's entry rows.)
+        return not any(
+            slot is None or (not holds and holders >= slots[_as_text(slot)]) for slot, holders, holds in rows
+        )
 
-    def _dispatch(self, connection: Connection, locked: list[str], dispatch_lease_seconds: float) -> list[Woken]:
-        """Dispatch the oldest waiters of the ``locked`` slots (sentinels locked) that have room.
+    def _dispatch(
+        self, connection: Connection, locked: list[str], dispatch_lease_seconds: float, touching: set[str] | None
+    ) -> list[Woken]:
+        """Dispatch, with leases, the oldest waiters of the ``locked`` slots (sentinels locked)
+        that have room and (if ``touching`` is given) wait for one of the slots ``touching``.
 
         Waiters are read in their order a batch at a time, and reading stops once every
         slot seen is full: a release with a long waiting list reads a few rows, not all.
@@ -1933,7 +1722,7 @@ class SQLAlchemyStore(SlotStore):
         for slot, task_id in connection.execute(statements["live"], {"slots": locked}):
             live[_as_text(slot)].add(_as_text(task_id))
         limits: dict[str, int] = {}
-        chosen: list[tuple[str, str, str | None]] = []
+        chosen: list[tuple[str, str]] = []
         after: dict[str, Any] = {"first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
         while True:
             rows = connection.execute(
@@ -1954,8 +1743,10 @@ class SQLAlchemyStore(SlotStore):
                 after = {"first": next_waiter["order"][0], "parked": next_waiter["order"][1], "task_id": next_id}
             for task_id, waiter in complete:
                 needed: dict[str, int] = waiter["slots"]
+                if touching is not None and touching.isdisjoint(needed):
+                    continue  # read for a slot it shares with those, which it does not wait for
                 if len(needed) < waiter["count"]:
-                    continue  # one of its slots is not locked here: a later release or the sweep
+                    continue  # one of its slots is not locked here: a later release or recovery
                 if any(task_id not in live[slot] and len(live[slot]) >= limit for slot, limit in needed.items()):
                     continue  # passed over while one of its own slots is full; never blocks the rest
                 run_id = uuid.uuid4().hex
@@ -1968,40 +1759,53 @@ class SQLAlchemyStore(SlotStore):
                     "task_name": waiter["task_name"],
                 }
                 params.update({f"s{i}": slot for i, slot in enumerate(ordered)})
-                insert = self._statement(self._insert_statements, self._insert_template, len(ordered), self._insert_row)
-                connection.execute(insert, params)
-                connection.execute(statements["mark_dispatched"], params)
+                if not connection.execute(statements["mark_dispatched"], params).rowcount:
+                    continue  # no longer waiting: a readmit or a forget took it since it was read
+                self._insert_leases(connection, len(ordered), params)
                 for slot in needed:
                     live[slot].add(task_id)
-                chosen.append((task_id, run_id, waiter["task_name"]))
+                chosen.append((task_id, run_id))
             if not more or all(len(live[slot]) >= limit for slot, limit in limits.items()):
                 break
-        if not chosen:
+        return self._woken(connection, chosen, readmit=False)
+
+    def _readmit(self, connection: Connection, task_ids: Sequence[str], dispatch_lease_seconds: float) -> list[Woken]:
+        """Dispatch, without leases, those of ``task_ids`` that still wait, in that order (their
+        sentinels locked)."""
+        chosen = []
+        for task_id in task_ids:
+            run_id = uuid.uuid4().hex
+            params = {"task_id": task_id, "run_id": run_id, "lease_seconds": dispatch_lease_seconds}
+            if connection.execute(self._parking["mark_dispatched"], params).rowcount:
+                chosen.append((task_id, run_id))
+        return self._woken(connection, chosen, readmit=True)
+
+    def _woken(self, connection: Connection, chosen: Sequence[tuple[str, str]], readmit: bool) -> list[Woken]:
+        """The dispatches ``chosen`` (task id, dispatch run id), with their payloads and names."""
+        found: dict[str, tuple[bytes, str | None]] = {}
+        task_ids = [task_id for task_id, _run_id in chosen]
+        for start in range(0, len(task_ids), _PRUNE_BATCH):
+            batch = task_ids[start : start + _PRUNE_BATCH]
+            for task_id, payload, task_name in connection.execute(self._parking["payloads"], {"task_ids": batch}):
+                found.setdefault(_as_text(task_id), (bytes(payload), task_name))
+        return [Woken(task_id, run_id, *found[task_id], readmit=readmit) for task_id, run_id in chosen]
+
+    def _names(self, connection: Connection, statement: str, name: str, values: Collection[Any]) -> set[str]:
+        """The first column of the waiting-list statement ``statement``, run on ``values`` bound
+        to the list ``name`` a batch at a time."""
+        found: set[str] = set()
+        listed = list(values)
+        for start in range(0, len(listed), _PRUNE_BATCH):
+            rows = connection.execute(self._parking[statement], {name: listed[start : start + _PRUNE_BATCH]})
+            found.update(_as_text(row[0]) for row in rows)
+        return found
+
+    def _lock_existing(self, connection: Connection, slots: Collection[str]) -> list[str]:
+        """Lock the sentinels of ``slots`` in slot order, waiting for them; the slots locked."""
+        if not slots:
             return []
-        payloads: dict[str, bytes] = {}
-        for task_id, payload in connection.execute(
-            statements["payloads"], {"task_ids": [task_id for task_id, _, _ in chosen]}
-        ):
-            payloads.setdefault(_as_text(task_id), bytes(payload))
-        standby = {task_id for task_id, run_id, _ in chosen if self._take_standby(connection, task_id, run_id)}
-        return [
-            Woken(task_id, run_id, payloads[task_id], task_name, task_id in standby)
-            for task_id, run_id, task_name in chosen
-        ]
-
-    def _take_standby(self, connection: Connection, task_id: str, run_id: str) -> bool:
-        """Take ``task_id``'s live standby for the dispatch ``run_id`` and signal it (on commit)."""
-        if not self._standby_table:
-            return False
-        params = {"task_id": task_id, "run_id": run_id, "channel": standby_channel(task_id)}
-        return connection.execute(self._parking["take_standby"], params).first() is not None
-
-    def _end_task_standby(self, connection: Connection, task_id: str) -> None:
-        """End ``task_id``'s standby that no dispatch took, and signal its waiting copy to stop
-        waiting now (on commit) rather than when its wait is over."""
-        if self._standby_table:
-            params = {"task_id": task_id, "channel": standby_channel(task_id)}
-            connection.execute(self._parking["end_task_standby"], params).all()
+        rows = connection.execute(self._parking["lock"], {"slots": sorted(slots)})
+        return sorted(_as_text(row[0]) for row in rows)
 
     def _wake_after_release(
         self, connection: Connection, released: list[str], dispatch_lease_seconds: float
@@ -2011,15 +1815,14 @@ class SQLAlchemyStore(SlotStore):
             return []
         # Lock the released slots first: a park that counted them full has committed
         # by then, so its waiter is seen here.
-        locked = sorted(set(released))
-        connection.execute(statements["lock"], {"slots": locked}).all()
+        locked = self._lock_existing(connection, set(released))
         waiting = {_as_text(row[0]) for row in connection.execute(statements["waiting_slots"], {"slots": locked})}
         more = sorted(waiting - set(locked))
         if more:
             locked += [_as_text(row[0]) for row in connection.execute(statements["lock_more"], {"slots": more})]
         if not waiting:
             return []
-        return self._dispatch(connection, sorted(locked), dispatch_lease_seconds)
+        return self._dispatch(connection, sorted(locked), dispatch_lease_seconds, touching=set(released))
 
     def _release_and_wake(
         self,
@@ -2056,25 +1859,11 @@ class SQLAlchemyStore(SlotStore):
                 {"run_id": run_id, "dispatch_lease_seconds": dispatch_lease_seconds},
             ).fetchall()
             woken = [
-                Woken(str(task_id), str(woken_run_id), bytes(payload or b""), task_name, bool(standby))
-                for _, task_id, woken_run_id, payload, task_name, standby in rows
+                Woken(str(task_id), str(woken_run_id), bytes(payload), task_name)
+                for _, task_id, woken_run_id, payload, task_name in rows
                 if task_id is not None
             ]
             return int(rows[0][0]), woken
-        driver = self._driver_connections() if self._use_release_function else None
-        if driver is not None:
-            # One round trip when nobody waits for the freed slots; else wake them now.
-            deleted, waited = self._driver_call(
-                "release", driver, _CALL_RELEASE_FUNCTION_DRIVER, {"run_id": run_id}
-            ).fetchone()
-            if not waited:
-                return int(deleted), []
-            woken = self._transaction(
-                "release",
-                lambda connection: self._wake_after_release(connection, list(waited), dispatch_lease_seconds),
-                attempts=_ACQUIRE_ATTEMPTS,
-            )
-            return int(deleted), woken
         return self._release_and_wake(
             "release", self._parking["run_slots"], self._release_run, {"run_id": run_id}, dispatch_lease_seconds
         )
@@ -2092,144 +1881,160 @@ class SQLAlchemyStore(SlotStore):
             "release", self._parking["task_slots"], self._release_task, {"task_id": task_id}, dispatch_lease_seconds
         )
 
-    def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
-        statements = self._parking
-        params = {"task_id": task_id, "holder": DISPATCH_HOLDER}
-
-        def forget(connection: Connection) -> tuple[int, list[Woken]]:
-            slots = sorted(
-                {_as_text(row[0]) for row in connection.execute(statements["task_waiting_slots"], params)}
-                | {_as_text(row[0]) for row in connection.execute(statements["holder_slots"], params)}
-            )
-            if not slots:
-                self._end_task_standby(connection, task_id)
-                return 0, []
-            # The sentinels first, as admission and dispatch lock them: no deadlock with a
-            # dispatch marking this very waiter.
-            connection.execute(statements["lock"], {"slots": slots}).all()
-            removed = connection.execute(statements["delete_waiter"], params).rowcount
-            self._end_task_standby(connection, task_id)
-            deleted = connection.execute(self._release_holder, params).rowcount
-            return removed, (self._wake_after_release(connection, slots, dispatch_lease_seconds) if deleted else [])
-
-        return self._transaction("forget", forget, attempts=_ACQUIRE_ATTEMPTS)
-
-    def claim_dispatch(self, task_id: str, run_id: str, holder: str, lease_seconds: float) -> Claimed:
-        params = {"task_id": task_id, "run_id": run_id, "holder": holder, "lease_seconds": lease_seconds}
-        driver = self._driver_connections() if self._schema_ready else None
+    def claim(
+        self, task_id: str, run_id: str, holder: str, lease_seconds: float, *, redelivered: bool = False
+    ) -> ClaimOutcome:
+        if not run_id:
+            raise ValueError("run_id must be non-empty")
+        if not self._schema_ready:
+            self._prepare()
+        params = {
+            "task_id": task_id,
+            "run_id": run_id,
+            "holder": holder,
+            "lease_seconds": lease_seconds,
+            "redelivered": redelivered,
+            "done_seconds": self.done_seconds,
+        }
+        driver = self._driver_connections() if self._use_claim_function else None
         if driver is not None:
-            statement = _CLAIM_DISPATCH_WITH_STANDBY_DRIVER if self._standby_table else _CLAIM_DISPATCH_DRIVER
-            leases, behind, elsewhere = self._driver_call("claim", driver, statement, params).fetchone()
-            return Claimed(int(leases), bool(behind), bool(elsewhere))
+            outcome = self._driver_call("claim", driver, _CALL_CLAIM_FUNCTION_DRIVER, params).fetchone()[0]
+            return ClaimOutcome(str(outcome))
         statements = self._parking
+        other_copy = ClaimOutcome.ADMIT if redelivered else ClaimOutcome.END
 
-        def claim(connection: Connection) -> Claimed:
-            claimed = int(connection.execute(statements["claim"], params).rowcount)
-            if not claimed and connection.execute(statements["dispatched_elsewhere"], params).scalar():
-                return Claimed(0, dispatched_elsewhere=True)
-            connection.execute(statements["delete_waiter"], params)
-            return Claimed(claimed)
+        def settle(connection: Connection) -> None:
+            """The entry dispatched to this run leaves the list (a tombstone if dispatched more than once)."""
+            connection.execute(statements["settle_tombstone"], params)
+            connection.execute(statements["settle_delete"], params)
+
+        def claim(connection: Connection) -> ClaimOutcome:
+            # The dispatch's leases (locked), then the entry: the order of every step that changes both.
+            leases = connection.execute(statements["claim_leases"], params).all()
+            live = [lease_holder for lease_holder, alive in leases if alive]
+            # (A lease already the run's: the same claim again, its reply lost.)
+            if (
+                live
+                and len(live) == len(leases)
+                and all(lease_holder in (DISPATCH_HOLDER, holder) for lease_holder in live)
+            ):
+                connection.execute(statements["claim"], params)
+                settle(connection)
+                return ClaimOutcome.RUN
+            if any(lease_holder != DISPATCH_HOLDER for lease_holder in live):
+                return other_copy  # another copy's run holds the dispatch's slots
+            connection.execute(statements["delete_dispatch_leases"], {**params, "holder": DISPATCH_HOLDER})
+            entry = connection.execute(statements["lock_entry"], params).first()
+            if entry is None:
+                return ClaimOutcome.ADMIT
+            dispatch_run_id, done_until, claimed_by, _slot = entry
+            if done_until is not None:
+                # This very claim's tombstone: the claim retried, its leases expired meanwhile.
+                same_claim = dispatch_run_id == run_id and claimed_by == holder
+                return ClaimOutcome.ADMIT if same_claim else other_copy
+            if dispatch_run_id != run_id:
+                return ClaimOutcome.END  # the list answers for the task
+            settle(connection)
+            return ClaimOutcome.ADMIT
 
         return self._transaction("claim", claim, attempts=_ACQUIRE_ATTEMPTS)
 
-    def wake(self, dispatch_lease_seconds: float, slots: Collection[str] | None = None) -> list[Woken]:
+    def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         statements = self._parking
-        only = None if slots is None else sorted(slots)
+        params = {"task_id": task_id, "holder": DISPATCH_HOLDER, "done_seconds": self.done_seconds}
 
-        def wake(connection: Connection) -> list[Woken]:
-            expired = (
-                connection.execute(statements["expired_dispatches"])
-                if only is None
-                else connection.execute(statements["expired_dispatches_of"], {"slots": only})
-            )
-            for task_id, dispatch_run_id in expired.all():
-                # Unclaimed: the releaser died before publishing or the message was lost.
-                connection.execute(statements["undispatch"], {"task_id": task_id, "run_id": dispatch_run_id})
-                connection.execute(
-                    statements["delete_dispatch_leases"], {"run_id": dispatch_run_id, "holder": DISPATCH_HOLDER}
-                )
-            waiting = (
-                connection.execute(statements["all_waiting_slots"])
-                if only is None
-                else connection.execute(statements["waiting_slots"], {"slots": only})
-            )
-            waited = sorted({_as_text(row[0]) for row in waiting})
-            if not waited:
-                return []
-            locked = [_as_text(row[0]) for row in connection.execute(statements["lock"], {"slots": waited})]
-            return self._dispatch(connection, sorted(locked), dispatch_lease_seconds)
+        def forget(connection: Connection) -> tuple[int, list[Woken]]:
+            # Each change is conditional on the state just read: one that lost a race (a dispatch,
+            # a claim, a recovery in between) changes nothing, and the entry is read again.
+            for _ in range(_FORGET_ATTEMPTS):
+                rows = connection.execute(statements["entry"], params).all()
+                if not rows or rows[0][1] is not None:
+                    return 0, []  # no entry, or a tombstone
+                dispatch_run_id = rows[0][0]
+                if dispatch_run_id is None:
+                    if connection.execute(statements["delete_waiting"], params).rowcount:
+                        return 1, []
+                    continue
+                dispatch = {**params, "run_id": dispatch_run_id}
+                # The dispatch's leases first, as a claim takes them (a run's leases are never a
+                # dispatch's: their holder is the run's).
+                deleted = connection.execute(statements["delete_dispatch_leases"], dispatch).rowcount
+                if connection.execute(statements["tombstone"], dispatch).rowcount:
+                    freed = [_as_text(row[3]) for row in rows]
+                    return 1, (self._wake_after_release(connection, freed, dispatch_lease_seconds) if deleted else [])
+            raise StoreError(f"forget failed on {self.display_url}: the entry of {task_id!r} kept changing")
 
-        return self._transaction("wake", wake, attempts=_ACQUIRE_ATTEMPTS)
+        return self._transaction("forget", forget, attempts=_ACQUIRE_ATTEMPTS)
 
-    def _mark_waiting(
-        self, operation: str, select_ids: sa.TextClause, params: dict[str, Any], hold_seconds: float
+    def recover(
+        self,
+        dispatch_lease_seconds: float,
+        *,
+        caps: Collection[str] | None = None,
+        readmit_before: float | None = None,
     ) -> list[Woken]:
-        """Mark the waiting tasks ``select_ids`` lists as being published (one mark for the batch,
-        held ``hold_seconds``) and return them, oldest first; ``settle_published`` ends the mark."""
         statements = self._parking
-        mark = uuid.uuid4().hex
+        if caps is not None and not caps:
+            return []
 
-        def mark_waiting(connection: Connection) -> list[Woken]:
-            task_ids = [row[0] for row in connection.execute(select_ids, params)]
+        def recover(connection: Connection) -> list[Woken]:
+            # The entries considered: every listed one, or those waiting for a slot of ``caps``.
+            of_slots: dict[str, Any] = {}
+            considered: set[str] | None = None  # the slots they need (None: every slot)
+            if caps is not None:
+                cap_slots: set[str] = set()
+                for cap in sorted(set(caps)):
+                    pattern = {"cap": cap, "pattern": self._exact(_like_prefix(cap + ":"))}
+                    cap_slots.update(_as_text(row[0]) for row in connection.execute(statements["cap_slots"], pattern))
+                if not cap_slots:
+                    return []
+                of_slots = {"slots": sorted(cap_slots)}
+                considered = self._names(connection, "listed_slots", "slots", cap_slots)
+            # Dispatches past their deadline wait again at their place: their leases first, as a
+            # claim takes them, one dispatch after the other in task order (so concurrent
+            # recoveries never wait for each other in a circle).
+            expired = statements["expired_dispatches" if caps is None else "expired_dispatches_of"]
+            for task_id, dispatch_run_id in connection.execute(expired, of_slots).all():
+                dispatch = {"task_id": task_id, "run_id": dispatch_run_id, "holder": DISPATCH_HOLDER}
+                connection.execute(statements["delete_dispatch_leases"], dispatch)
+                connection.execute(statements["undispatch"], dispatch)
+            overdue: list[str] = []
+            if readmit_before is not None:
+                statement = statements["overdue" if caps is None else "overdue_of"]
+                rows = connection.execute(statement, {"before": readmit_before, **of_slots})
+                overdue = [_as_text(row[0]) for row in rows]
+            # The slots where a waiter may fit (read without locks: a slot that gains room after
+            # this read is served by its release, or by the next recovery), and the other slots
+            # their waiters need.
+            if considered is None:
+                room = {_as_text(row[0]) for row in connection.execute(statements["all_slots_with_room"])}
+            else:
+                room = self._names(connection, "slots_with_room", "slots", considered)
+            walked = room | self._names(connection, "waiting_slots", "slots", room)
+            # Every sentinel at once, in slot order: readmits and dispatches change waiting entries
+            # only under the locks of their slots, as a release's dispatches do.
+            overdue_slots = self._names(connection, "slots_of_tasks", "task_ids", overdue)
+            locked = self._lock_existing(connection, walked | overdue_slots)
+            woken = self._readmit(connection, overdue, dispatch_lease_seconds)
+            if room:
+                walk = [slot for slot in locked if slot in walked]
+                woken += self._dispatch(connection, walk, dispatch_lease_seconds, touching=considered)
+            return woken
+
+        return self._transaction("recover", recover, attempts=_ACQUIRE_ATTEMPTS)
+
+    def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
+        statements = self._parking
+
+        def readmit(connection: Connection) -> list[Woken]:
+            task_ids = [_as_text(row[0]) for row in connection.execute(statements["waiting_of_slot"], {"slot": slot})]
             if not task_ids:
                 return []
-            slots: set[str] = set()
-            for start in range(0, len(task_ids), _PRUNE_BATCH):
-                batch = task_ids[start : start + _PRUNE_BATCH]
-                slots.update(
-                    _as_text(row[0]) for row in connection.execute(statements["slots_of_tasks"], {"task_ids": batch})
-                )
-            # The sentinels first, as a dispatch locks them before it marks its waiters: no deadlock.
-            connection.execute(statements["lock"], {"slots": sorted(slots)}).all()
-            for start in range(0, len(task_ids), _PRUNE_BATCH):
-                batch = task_ids[start : start + _PRUNE_BATCH]
-                connection.execute(
-                    statements["mark_waiting"], {"mark": mark, "hold_seconds": hold_seconds, "task_ids": batch}
-                )
-            marked: dict[str, Woken] = {}
-            for task_id, payload, task_name in connection.execute(statements["marked"], {"mark": mark}):
-                task_id = _as_text(task_id)
-                marked.setdefault(task_id, Woken(task_id, mark, bytes(payload), task_name))
-            return list(marked.values())
+            # Under the sentinels of their slots, as every change of a waiting entry.
+            self._lock_existing(connection, self._names(connection, "slots_of_tasks", "task_ids", task_ids))
+            return self._readmit(connection, task_ids, dispatch_lease_seconds)
 
-        return self._transaction(operation, mark_waiting, attempts=_ACQUIRE_ATTEMPTS)
-
-    def expire_waiters(self, first_deferred_before: float, hold_seconds: float) -> list[Woken]:
-        return self._mark_waiting(
-            "expiring waiters", self._parking["expiring_tasks"], {"before": first_deferred_before}, hold_seconds
-        )
-
-    def drain(self, slot: str, hold_seconds: float) -> list[Woken]:
-        return self._mark_waiting(
-            "draining waiters", self._parking["waiting_tasks_of_slot"], {"slot": slot}, hold_seconds
-        )
-
-    def settle_published(self, published: Sequence[Woken], failed: Sequence[Woken] = ()) -> int:
-        driver = self._driver_connections() if self._schema_ready and len(published) == 1 and not failed else None
-        if driver is not None:
-            params = {"mark": published[0].run_id, "task_id": published[0].task_id}
-            settle_one = _SETTLE_ONE_WITH_STANDBY_DRIVER if self._standby_table else _SETTLE_ONE_DRIVER
-            return int(self._driver_call("settling published waiters", driver, settle_one, params).rowcount)
-        statements = self._parking
-        batches: list[tuple[sa.TextClause, str, list[str]]] = []
-        for statement, woken in ((statements["settle_published"], published), (statements["settle_failed"], failed)):
-            by_mark: dict[str, list[str]] = defaultdict(list)
-            for waiter in woken:
-                by_mark[waiter.run_id].append(waiter.task_id)
-            for mark, task_ids in by_mark.items():
-                for start in range(0, len(task_ids), _PRUNE_BATCH):
-                    batches.append((statement, mark, task_ids[start : start + _PRUNE_BATCH]))
-        if not batches:
-            return 0
-
-        def settle(connection: Connection) -> int:
-            deleted = 0
-            for statement, mark, task_ids in batches:
-                count = connection.execute(statement, {"mark": mark, "task_ids": task_ids}).rowcount
-                deleted += count if statement is statements["settle_published"] else 0
-            return deleted
-
-        return self._transaction("settling published waiters", settle, attempts=_ACQUIRE_ATTEMPTS)
+        return self._transaction("readmit", readmit, attempts=_ACQUIRE_ATTEMPTS)
 
     def waiters(self, slot: str | None = None) -> list[Waiter]:
         statements = self._parking
@@ -2250,96 +2055,6 @@ class SQLAlchemyStore(SlotStore):
             return result
 
         return self._transaction("waiters", read, single_statement=True)
-
-    @property
-    def supports_standby(self) -> bool:  # type: ignore[override]
-        """PostgreSQL through psycopg (LISTEN/NOTIFY on the hot path's connections), not under
-        green threads, with ``concurrency_standby`` and the stand-by function in the schema."""
-        if self.dialect != "postgresql":
-            return False
-        if not self._schema_ready:
-            self._prepare()
-        return self._standby_table and self._use_stand_by_function and self._driver_connections() is not None
-
-    def stand_by(self, slots: Collection[str], per_slot: int, max_total: int, hold_seconds: float) -> list[Woken]:
-        driver = self._driver_connections() if self.supports_standby else None
-        if driver is None or per_slot <= 0 or max_total <= 0:
-            return []
-        params = {
-            "slots": sorted(set(slots)),
-            "per_slot": per_slot,
-            "max_total": max_total,
-            "hold_seconds": hold_seconds,
-        }
-        rows = self._driver_call("stand_by", driver, _CALL_STAND_BY_FUNCTION_DRIVER, params).fetchall()
-        return [Woken(str(task_id), str(mark), bytes(payload), task_name) for task_id, mark, payload, task_name in rows]
-
-    def standbys(self) -> list[Standby]:
-        if not self.supports_standby:
-            return []
-
-        def read(connection: Connection) -> list[Standby]:
-            return [
-                Standby(_as_text(task_id), holder, run_id is not None, float(expires_in))
-                for task_id, holder, run_id, expires_in in connection.execute(self._parking["standbys"])
-            ]
-
-        return self._transaction("standbys", read, single_statement=True)
-
-    def await_standby(
-        self, task_id: str, mark: str, timeout: float, holder: str | None = None, lease_seconds: float | None = None
-    ) -> StandbyDispatch | None:
-        driver = self._driver_connections() if self.supports_standby else None
-        if driver is None:
-            return None
-        channel = standby_channel(task_id)
-        params = {"task_id": task_id, "mark": mark, "holder": holder, "lease_seconds": lease_seconds}
-
-        def read(row: Any) -> tuple[bool, StandbyDispatch | None]:
-            """Whether a standby record (mark, dispatch run id, holder) is this mark's, and the
-            dispatch a release took it for."""
-            if row is None or row[0] != mark:
-                return False, None
-            # Claimed for this process only if the release used its own name (another copy's,
-            # say of a process that died, is to be claimed like a dispatch: claim checks it).
-            claimed = holder is not None and row[2] == holder
-            return True, (StandbyDispatch(str(row[1]), claimed=claimed) if row[1] else None)
-
-        def record(connection: Any) -> tuple[bool, StandbyDispatch | None]:
-            return read(connection.execute(_STANDBY_RECORD_DRIVER, params).fetchone())
-
-        def wait(connection: Any, registered: Any) -> StandbyDispatch | None:
-            waiting = registered[0] == 1
-            if not waiting:
-                mine, dispatch = read(registered[2:])
-                if not mine or dispatch is not None:
-                    return dispatch
-            # Not past the record's expiry: a release would no longer take it.
-            deadline = time.monotonic() + (min(timeout, float(registered[1])) if waiting else 0.0)
-            while waiting and (remaining := deadline - time.monotonic()) > 0:
-                ended = False
-                for note in connection.notifies(timeout=remaining, stop_after=1):
-                    note_mark, _, taken = str(note.payload).partition(" ")
-                    if note.channel != channel or note_mark != mark:
-                        continue
-                    run_id, _, how = taken.partition(" ")
-                    if run_id:
-                        return StandbyDispatch(run_id, claimed=how == "claimed")
-                    ended = True  # the mark alone: the task left the waiting list (a revoke)
-                if ended:
-                    # (Asked once the generator is done: it holds the connection meanwhile.)
-                    mine, dispatch = record(connection)
-                    if not mine or dispatch is not None:
-                        return dispatch
-            if connection.execute(_END_STANDBY_DRIVER, params).rowcount == 1:
-                return None
-            # A release took it just before the end: the record says how.
-            return record(connection)[1]
-
-        try:
-            return driver.listening(channel, _REGISTER_STANDBY_DRIVER, params, wait)
-        except Exception as exc:
-            raise StoreError(f"await_standby failed on {self.display_url}: {type(exc).__name__}: {exc}") from exc
 
     def after_fork(self) -> None:
         # Connections inherited from the parent must not be used (nor closed) here.
