@@ -56,9 +56,10 @@ dispatched
     without leases for a *readmit* (waited past the maximum wait, or drained by an
     operator: its copy goes through admission again).  Each dispatch counts.
 done
-    A tombstone (:data:`DONE_SECONDS`) of an entry that was dispatched more than
-    once and has been claimed (it records that claim: the dispatch and its holder):
-    copies of its older dispatches may still be on their way, and must end.  Never
+    A tombstone (:data:`DONE_SECONDS`) of a claimed entry that was dispatched more
+    than once, or whose claim found no live lease (an expired dispatch, a readmit):
+    it records that claim (the dispatch and its holder), so that other copies still
+    on their way end, and the same claim retried does not.  Never
     walked nor listed; the sweep deletes it.  A task that parks again replaces it,
     and its new entry keeps the count of dispatches.
 
@@ -389,8 +390,9 @@ class SlotStore(abc.ABC):
 
            - none: :attr:`~ClaimOutcome.ADMIT`;
            - waiting, or dispatched to another run: :attr:`~ClaimOutcome.END`;
-           - dispatched to ``run_id``: the entry is deleted (a tombstone if it was dispatched
-             more than once), :attr:`~ClaimOutcome.ADMIT`;
+           - dispatched to ``run_id``: the entry becomes a tombstone of this claim (with no
+             lease left, nothing else would tell a duplicate copy of this dispatch that the
+             task was taken), :attr:`~ClaimOutcome.ADMIT`;
            - a tombstone: :attr:`~ClaimOutcome.ADMIT` if ``redelivered``, or if it is the tombstone
              of this very claim (``run_id`` claimed by ``holder``: the claim retried after its
              reply was lost, its leases expired meanwhile); else :attr:`~ClaimOutcome.END`.

@@ -224,10 +224,10 @@ class MemoryStore(SlotStore):
     def release_task_and_wake(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         return self._release_and_wake(lambda run, lease: lease.task_id == task_id, dispatch_lease_seconds)
 
-    def _settle_locked(self, entry: _WaiterEntry, now: float, holder: str) -> None:
+    def _settle_locked(self, entry: _WaiterEntry, now: float, holder: str, *, tombstone: bool = False) -> None:
         """A claimed entry leaves the list: a tombstone of ``holder``'s claim if other copies may
-        be on their way (it was dispatched more than once), else deleted."""
-        if entry.dispatches > 1:
+        be on their way (it was dispatched more than once) or ``tombstone``, else deleted."""
+        if entry.dispatches > 1 or tombstone:
             entry.done_until = now + self.done_seconds
             entry.claimed_by = holder
         else:
@@ -260,7 +260,7 @@ class MemoryStore(SlotStore):
                 return ClaimOutcome.ADMIT if redelivered or same_claim else ClaimOutcome.END
             if entry.dispatch_run_id != run_id:
                 return ClaimOutcome.END
-            self._settle_locked(entry, now, holder)
+            self._settle_locked(entry, now, holder, tombstone=True)
             return ClaimOutcome.ADMIT
 
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:

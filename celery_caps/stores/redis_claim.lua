@@ -29,8 +29,9 @@ end
 local record = read_waiter(keys.waiting, task_id)
 
 -- The entry leaves the list; a tombstone stays if other copies may be on their way.
-local function settle()
-  settle_waiter(prefix, keys, task_id, record, record[RECORD_DISPATCHES] > 1, done_milliseconds, holder)
+-- (`tombstone`: always leave one; else only if the entry was dispatched more than once.)
+local function settle(tombstone)
+  settle_waiter(prefix, keys, task_id, record, tombstone or record[RECORD_DISPATCHES] > 1, done_milliseconds, holder)
 end
 
 -- 1. Live dispatch leases: they become this copy's run; or they are this holder's run
@@ -41,7 +42,7 @@ if live and (run[2] == DISPATCH_HOLDER or run[2] == holder) then
   redis.call('HSET', runs_key, run_id, cmsgpack.pack(run))
   extend_run(prefix, expiry_key, run_id, run, now + lease_seconds)
   if record ~= nil and record[RECORD_RUN_ID] == run_id then
-    settle()
+    settle(false)
   end
   return 'run'
 end
@@ -66,5 +67,7 @@ end
 if record[RECORD_RUN_ID] ~= run_id then
   return 'end'
 end
-settle()
+-- No lease is left to tell a duplicate copy of this dispatch that the task was taken: the
+-- tombstone does.
+settle(true)
 return 'admit'

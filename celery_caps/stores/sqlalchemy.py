@@ -563,14 +563,16 @@ _CALL_PARK_FUNCTION_DRIVER = (
     "%(lease_seconds)s, %(task_name)s, %(payload)s, %(first_deferred_at)s, %(max_waiters)s, %(admit)s)"
 )
 # An entry dispatched to the claiming run leaves the list: a tombstone of p_holder's claim until
-# p_done_seconds from now if it was dispatched more than once (copies of its other dispatches
-# may be on their way), else deleted.  (Over p_task_id, p_run_id, p_holder, p_done_seconds and
-# v_now.)
+# p_done_seconds from now if it was dispatched {minimum} times or more (copies of its other
+# dispatches may be on their way; 0: always), else deleted.  (Over p_task_id, p_run_id, p_holder,
+# p_done_seconds and v_now.)
 _PG_SETTLE = """
     UPDATE concurrency_waiters w SET done_until = v_now + p_done_seconds, claimed_by = p_holder
-    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL AND w.dispatches > 1;
+    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
+        AND w.dispatches >= {minimum};
     DELETE FROM concurrency_waiters w
-    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL AND w.dispatches <= 1;
+    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
+        AND w.dispatches < {minimum};
 """
 # A copy's claim in one round trip, SlotStore.claim's decision: lock the task's leases of the
 # dispatch run, then read them by the store's clock.  All live, and each a dispatch lease or
@@ -604,7 +606,7 @@ BEGIN
     IF v_live > 0 AND v_live = v_leases AND v_live_claimable = v_live THEN
         UPDATE concurrency_slots c SET holder = p_holder, expires_at = v_now + p_lease_seconds
         WHERE c.run_id = p_run_id AND c.task_id = p_task_id;
-{_PG_SETTLE}
+{_PG_SETTLE.format(minimum=2)}
         RETURN '{ClaimOutcome.RUN.value}';
     END IF;
     IF v_live > v_live_dispatch THEN
@@ -626,7 +628,9 @@ BEGIN
     IF v_dispatch IS DISTINCT FROM p_run_id THEN
         RETURN '{ClaimOutcome.END.value}';
     END IF;
-{_PG_SETTLE}
+    -- No lease is left to tell a duplicate copy of this dispatch that the task was taken: the
+    -- tombstone does.
+{_PG_SETTLE.format(minimum=0)}
     RETURN '{ClaimOutcome.ADMIT.value}';
 END $$
 """
@@ -740,13 +744,14 @@ _CLAIM = (
     "UPDATE concurrency_slots SET holder = :holder, expires_at = {now} + :lease_seconds "
     "WHERE run_id = :run_id AND task_id = :task_id"
 )
+# (:minimum: the dispatches from which a claimed entry leaves a tombstone; 0: always.)
 _SETTLE_TOMBSTONE = (
     "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds, claimed_by = :holder WHERE task_id = :task_id "
-    "AND dispatch_run_id = :run_id AND done_until IS NULL AND dispatches > 1"
+    "AND dispatch_run_id = :run_id AND done_until IS NULL AND dispatches >= :minimum"
 )
 _SETTLE_DELETE = (
     "DELETE FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id = :run_id "
-    "AND done_until IS NULL AND dispatches <= 1"
+    "AND done_until IS NULL AND dispatches < :minimum"
 )
 _DELETE_WAITING = "DELETE FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id IS NULL"
 _TOMBSTONE = (
@@ -1903,10 +1908,12 @@ class SQLAlchemyStore(SlotStore):
         statements = self._parking
         other_copy = ClaimOutcome.ADMIT if redelivered else ClaimOutcome.END
 
-        def settle(connection: Connection) -> None:
-            """The entry dispatched to this run leaves the list (a tombstone if dispatched more than once)."""
-            connection.execute(statements["settle_tombstone"], params)
-            connection.execute(statements["settle_delete"], params)
+        def settle(connection: Connection, *, tombstone: bool) -> None:
+            """The entry dispatched to this run leaves the list: a tombstone if dispatched more than
+            once, or ``tombstone``."""
+            minimum = {**params, "minimum": 0 if tombstone else 2}
+            connection.execute(statements["settle_tombstone"], minimum)
+            connection.execute(statements["settle_delete"], minimum)
 
         def claim(connection: Connection) -> ClaimOutcome:
             # The dispatch's leases (locked), then the entry: the order of every step that changes both.
@@ -1919,7 +1926,7 @@ class SQLAlchemyStore(SlotStore):
                 and all(lease_holder in (DISPATCH_HOLDER, holder) for lease_holder in live)
             ):
                 connection.execute(statements["claim"], params)
-                settle(connection)
+                settle(connection, tombstone=False)
                 return ClaimOutcome.RUN
             if any(lease_holder != DISPATCH_HOLDER for lease_holder in live):
                 return other_copy  # another copy's run holds the dispatch's slots
@@ -1934,7 +1941,8 @@ class SQLAlchemyStore(SlotStore):
                 return ClaimOutcome.ADMIT if same_claim else other_copy
             if dispatch_run_id != run_id:
                 return ClaimOutcome.END  # the list answers for the task
-            settle(connection)
+            # No lease is left to tell a duplicate copy of this dispatch that the task was taken.
+            settle(connection, tombstone=True)
             return ClaimOutcome.ADMIT
 
         return self._transaction("claim", claim, attempts=_ACQUIRE_ATTEMPTS)

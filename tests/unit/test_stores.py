@@ -1376,10 +1376,15 @@ def test_a_copy_whose_dispatch_expired_takes_the_task_off_the_list_and_goes_thro
 
     assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
 
-    # Its entry is gone (dispatched once: no tombstone), and so is the expired dispatch lease
+    # Its entry left the list, and the expired dispatch lease is gone
     assert store.waiters(slot) == []
     assert own_leases(store, prefix) == []
-    # ... so a later copy of the same dispatch (a redelivery) is admitted as usual too
+    # ... with no lease left to say the task was taken, a tombstone says it: a duplicate copy of the
+    # dispatch in another process ends, unless the broker redelivered it; the same claim retried
+    # goes through admission again
+    assert store.claim(woken.task_id, woken.run_id, "w2@h/2", LONG_LEASE) is ClaimOutcome.END
+    claimed = store.claim(woken.task_id, woken.run_id, "w2@h/2", LONG_LEASE, redelivered=True)
+    assert claimed is ClaimOutcome.ADMIT
     assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
 
 
@@ -1531,6 +1536,9 @@ def test_an_operator_readmits_a_slots_waiters(store: SlotStore, prefix: str) -> 
     for woken in readmitted:
         assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
     assert store.waiters(slot) == []
+    # A duplicate copy of a readmit (a publish the broker client retried) ends: the first one's
+    # claim left a tombstone
+    assert store.claim(readmitted[0].task_id, readmitted[0].run_id, "w2@h/2", LONG_LEASE) is ClaimOutcome.END
 
 
 def test_a_dead_holders_or_a_revoked_tasks_release_hands_the_slot_to_the_next_waiter(
