@@ -404,9 +404,10 @@ class SlotStore(abc.ABC):
 
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         """``task_id`` is not to run (revoked, expired): a waiting entry is deleted, a dispatched
-        one becomes a tombstone (its copy may be on its way) and loses its dispatch leases (never
-        a run's lease); then the waiters of the freed slots are dispatched, in one transaction.
-        Returns the entries removed (0 or 1) and the woken waiters."""
+        one becomes a tombstone (its copy may be on its way); every dispatch lease of the task
+        goes (a release's, or one taken when it was sent; never a run's lease); then the waiters
+        of the freed slots are dispatched, in one transaction.  Returns the entries removed (0 or
+        1) and the woken waiters."""
         raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
     def recover(

@@ -267,14 +267,20 @@ class MemoryStore(SlotStore):
         with self._lock:
             now = self.clock()
             entry = self._waiting.get(task_id)
-            if entry is None or not entry.listed:
-                return 0, []
-            if entry.waiting:
-                del self._waiting[task_id]
-                return 1, []
-            entry.done_until = now + self.done_seconds
-            deleted = self._delete_dispatch_locked(str(entry.dispatch_run_id), task_id)
-            return 1, (self._wake_locked(now, dispatch_lease_seconds, set(entry.slots)) if deleted else [])
+            removed = 0
+            if entry is not None and entry.listed:
+                removed = 1
+                if entry.waiting:
+                    del self._waiting[task_id]
+                else:
+                    entry.done_until = now + self.done_seconds
+
+            def doomed(run: str, lease: _LeaseEntry) -> bool:
+                return lease.task_id == task_id and lease.holder == DISPATCH_HOLDER
+
+            freed = {slot for slot, runs in self._leases.items() if any(doomed(r, lease) for r, lease in runs.items())}
+            deleted = self._delete_locked(doomed)
+            return removed, (self._wake_locked(now, dispatch_lease_seconds, freed) if deleted else [])
 
     def recover(
         self,

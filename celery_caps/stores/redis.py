@@ -647,7 +647,7 @@ class RedisStore(SlotStore):
             _run_id_nonce(),
             self._done_milliseconds(),
         ]
-        keys = [*self._waitlist_keys, self.done_key(task_id)]
+        keys = [*self._waitlist_keys, self.done_key(task_id), self.task_key(task_id)]
         reply = self._run("forget", self._forget, keys, args)
         return int(reply[0]), self._woken(reply[1:])
 

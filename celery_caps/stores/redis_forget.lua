@@ -1,9 +1,11 @@
 -- celery-caps forget: a task is not to run (revoked, expired, dropped by an operator).  A
 -- waiting entry is deleted; a dispatched one becomes a tombstone (its copy may be on its
--- way) and its dispatch leases go (never a run's lease), and the slots they held are
--- dispatched to the oldest waiters with room, in one atomic step.
+-- way); every dispatch lease of the task goes (a release's, or one taken when it was sent;
+-- never a run's lease), and the slots they held are dispatched to the oldest waiters with
+-- room, in one atomic step.
 --
--- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches, the task's tombstone
+-- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches, the task's tombstone,
+--       the task's run set
 -- ARGV: prefix, task id, dispatch lease seconds, run id nonce, tombstone milliseconds
 -- Returns {entries removed (0 or 1), task id, run id, task name, payload, readmit, ...}
 -- (the woken, oldest first).
@@ -13,22 +15,27 @@ local keys = waitlist_keys()
 local prefix, task_id, lease_seconds, nonce = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local done_milliseconds = tonumber(ARGV[5])
 
-if done_key(prefix, task_id) ~= KEYS[8] then
-  return redis.error_reply('celery-caps: key layout mismatch (tombstone key)')
+if done_key(prefix, task_id) ~= KEYS[8] or task_key(prefix, task_id) ~= KEYS[9] then
+  return redis.error_reply('celery-caps: key layout mismatch (tombstone or task key)')
 end
 
+local reply = { 0 }
 local record = read_waiter(keys.waiting, task_id)
-if record == nil then
-  return { 0 }
+if record ~= nil then
+  reply[1] = 1
+  if is_waiting(record) then
+    remove_waiter(prefix, keys, task_id, record)
+  else
+    settle_waiter(prefix, keys, task_id, record, true, done_milliseconds, '')
+  end
 end
-if is_waiting(record) then
-  remove_waiter(prefix, keys, task_id, record)
-  return { 1 }
+-- The task's run set makes this cost its own runs, never a scan.
+local freed = {}
+for _, run_id in ipairs(redis.call('SMEMBERS', KEYS[9])) do
+  for _, slot in ipairs(delete_dispatch(prefix, runs_key, expiry_key, task_id, run_id)) do
+    freed[#freed + 1] = slot
+  end
 end
-
-settle_waiter(prefix, keys, task_id, record, true, done_milliseconds, '')
-local freed = delete_dispatch(prefix, runs_key, expiry_key, task_id, record[RECORD_RUN_ID])
-local reply = { 1 }
 if #freed > 0 then
   dispatch_waiters(prefix, runs_key, expiry_key, keys, freed, now_seconds(), lease_seconds,
     run_id_source(runs_key, nonce), reply)

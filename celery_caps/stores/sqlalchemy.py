@@ -1952,24 +1952,25 @@ class SQLAlchemyStore(SlotStore):
         params = {"task_id": task_id, "holder": DISPATCH_HOLDER, "done_seconds": self.done_seconds}
 
         def forget(connection: Connection) -> tuple[int, list[Woken]]:
-            # Each change is conditional on the state just read: one that lost a race (a dispatch,
-            # a claim, a recovery in between) changes nothing, and the entry is read again.
+            # Every dispatch lease of the task first (a release's, or one taken when it was sent:
+            # that has no entry), as a claim takes them before the entry; never a run's lease,
+            # whose holder is the run's.
+            freed = [_as_text(row[0]) for row in connection.execute(statements["holder_slots"], params)]
+            deleted = connection.execute(self._release_holder, params).rowcount
+            woken = self._wake_after_release(connection, freed, dispatch_lease_seconds) if deleted else []
+            # Then the entry.  Each change is conditional on the state just read: one that lost a
+            # race (a dispatch, a claim, a recovery in between) changes nothing, and it is read again.
             for _ in range(_FORGET_ATTEMPTS):
                 rows = connection.execute(statements["entry"], params).all()
                 if not rows or rows[0][1] is not None:
-                    return 0, []  # no entry, or a tombstone
+                    return 0, woken  # no entry, or a tombstone
                 dispatch_run_id = rows[0][0]
                 if dispatch_run_id is None:
                     if connection.execute(statements["delete_waiting"], params).rowcount:
-                        return 1, []
+                        return 1, woken
                     continue
-                dispatch = {**params, "run_id": dispatch_run_id}
-                # The dispatch's leases first, as a claim takes them (a run's leases are never a
-                # dispatch's: their holder is the run's).
-                deleted = connection.execute(statements["delete_dispatch_leases"], dispatch).rowcount
-                if connection.execute(statements["tombstone"], dispatch).rowcount:
-                    freed = [_as_text(row[3]) for row in rows]
-                    return 1, (self._wake_after_release(connection, freed, dispatch_lease_seconds) if deleted else [])
+                if connection.execute(statements["tombstone"], {**params, "run_id": dispatch_run_id}).rowcount:
+                    return 1, woken
             raise StoreError(f"forget failed on {self.display_url}: the entry of {task_id!r} kept changing")
 
         return self._transaction("forget", forget, attempts=_ACQUIRE_ATTEMPTS)

@@ -1669,3 +1669,23 @@ def test_a_release_of_several_slots_serves_the_waiters_of_all_of_them_oldest_fir
     assert sorted(lease.slot for lease in store.leases() if lease.run_id == last.run_id) == [first_slot, second_slot]
     assert store.claim(last.task_id, last.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
     assert [w for w in store.waiters() if w.slot.startswith(prefix)] == []
+
+
+def test_forget_frees_the_slots_a_task_took_when_it_was_sent(store: SlotStore, prefix: str) -> None:
+    # A task sent while its slot had room took it then, as a dispatch (no entry), and is revoked
+    # (or expires) before any worker claims it: its slot goes to the next waiter at once.
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    sent = f"{prefix}sent"
+    assert store.park(
+        {slot: 1}, sent, new_run_id(), DISPATCH_HOLDER, DISPATCH_LEASE, payload=b"m", first_deferred_at=1.0,
+        max_waiters=100,
+    ) == PARK_ADMITTED  # fmt: skip
+    assert park(store, {slot: 1}, f"{prefix}next", 2.0) == PARK_PARKED
+
+    removed, woken = store.forget(sent, DISPATCH_LEASE)
+
+    assert (removed, [w.task_id for w in woken]) == (0, [f"{prefix}next"])
+    assert [(lease.task_id, lease.holder) for lease in own_leases(store, prefix)] == [
+        (f"{prefix}next", DISPATCH_HOLDER)
+    ]
