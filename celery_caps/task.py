@@ -72,13 +72,16 @@ class CappedTask(Task):  # type: ignore[misc]
 
     Use as ``@app.task(base=CappedTask, cap=Cap("provider", 25))``; ``cap`` takes
     one :class:`~celery_caps.Cap` or a list of them (taken all-or-nothing).
-    Capped tasks acknowledge late by default, so a worker crash redelivers them.
+
+    Acknowledgement is the app's and the task's choice, as for any task (``task_acks_late``,
+    ``acks_late=``): with late acknowledgement (recommended) a crash redelivers the message;
+    with Celery's default, a crash during admission or the run loses it, as it loses any task
+    (a task waiting in the store is held there, and a woken copy lost before its claim is
+    dispatched again).
     """
 
     #: The task's caps: one ``Cap``, a list of them, or None (then it runs uncapped).
     cap: Cap | Sequence[Cap] | None = None
-    #: Acknowledge after the run: a crash must not lose the message.
-    acks_late = True
     #: Main-process hooks that release the slots of a child killed mid-run.
     Request = "celery_caps.worker:CappedRequest"
 

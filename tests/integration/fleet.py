@@ -257,10 +257,12 @@ class Fleet:
         pool: str = "prefork",
         queues: Sequence[str] = (),
         extra_env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
         wait: bool = True,
         timeout: float = 60,
     ) -> list[Worker]:
-        """Start ``count`` workers (each its own process group); wait until they answer ping."""
+        """Start ``count`` workers (each its own process group); wait until they answer ping.
+        ``extra_args`` go to ``celery worker`` (``--max-tasks-per-child=1``, say)."""
         queues = list(queues) or [queue_name(self.prefix)]
         self.extra_queues.update(queues)
         env = {**os.environ, **self.env, **(extra_env or {})}
@@ -273,7 +275,7 @@ class Fleet:
             command = [
                 sys.executable, "-m", "celery", "-A", "tests.integration.fleetapp", "worker",
                 "-P", pool, "-c", str(concurrency), "-n", name, "-Q", ",".join(queues), "-l", "INFO",
-                "--without-gossip", "--without-mingle", "--without-heartbeat",
+                "--without-gossip", "--without-mingle", "--without-heartbeat", *extra_args,
             ]  # fmt: skip
             stdout_path = self.log_dir / f"w{index}.out.log"
             stderr_path = self.log_dir / f"w{index}.err.log"

@@ -43,6 +43,7 @@ ENV: dict[str, str | None] = {
     "CAPS_FLEET_DISPATCH_LEASE": None,  # None: the lease
     "CAPS_FLEET_PREFETCH": "1",  # worker_prefetch_multiplier (Celery's default is 4)
     "CAPS_FLEET_ROUTES": None,  # task_routes, as JSON ({"fleet.hold": "<queue>"})
+    "CAPS_FLEET_CONF": None,  # more Celery settings, as JSON ({"task_acks_late": false}), applied last
     "CAPS_FLEET_ON_STORE_ERROR": None,
     "CAPS_FLEET_ON_LEASE_LOST": None,
     "CAPS_FLEET_VISIBILITY_TIMEOUT": None,  # Redis broker only
@@ -254,6 +255,9 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
     routes = setting(env, "CAPS_FLEET_ROUTES")
     if routes is not None:
         conf["task_routes"] = json.loads(routes)
+    more = setting(env, "CAPS_FLEET_CONF")
+    if more is not None:
+        conf.update(json.loads(more))
     app.conf.update(conf)
     recorder = Recorder(setting(env, "CAPS_FLEET_COUNTER_URL") or "", prefix)
     app.recorder = recorder  # type: ignore[attr-defined]

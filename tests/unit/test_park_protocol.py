@@ -600,4 +600,4 @@ def test_park_never_loses_a_task_nor_runs_one_twice_without_a_redelivery(protoco
 @pytest.mark.chaos
 def test_park_protocol_long(protocol_target: StoreTarget | None) -> None:
     simulated = protocol_target is None
-    _run(make_machine(protocol_target, simulated), examples=6000 if simulated else 25, steps=120 if simulated else 60)
+    _run(make_machine(protocol_target, simulated), examples=4000 if simulated else 12, steps=120 if simulated else 60)
