@@ -12,6 +12,7 @@ began.  ``docs/park.md`` says what each option means for a cap.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import signal
 import time
@@ -35,6 +36,8 @@ TASK_MS = 200
 #: A body may start this long after a warm shutdown began: the pool had handed it to a
 #: process just before the signal.
 SHUTDOWN_GRACE_SECONDS = 0.3
+#: ``fleet.hard_limited``'s time limit: its body runs at least this long (then its process is killed).
+HARD_LIMIT_SECONDS = 1.5
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,13 @@ def _param(cell: Cell) -> Any:
     return pytest.param(cell, id=cell.id, marks=marks)
 
 
-def _check_caps(record: Record, *, distinct: bool = True) -> None:
+def _check_caps(record: Record, *, bound: bool) -> None:
+    """The caps held (counting task ids: a run cut short and its redelivery hold one slot); with
+    ``bound``, the global one was full at times (the worker had the processes to fill it)."""
     limits = {"provider": PROVIDER_LIMIT, **{f"tenant:{tenant}": TENANT_LIMIT for tenant in TENANTS}}
-    peaks = {counter: record.interval_peak(counter, distinct=distinct) for counter in limits}
+    peaks = {counter: record.interval_peak(counter, distinct=True) for counter in limits}
     assert all(peaks[counter] <= limit for counter, limit in limits.items()), f"a cap was exceeded: {peaks}"
-    assert peaks["provider"] == PROVIDER_LIMIT, f"the cap never bound: {peaks}"
+    assert not bound or peaks["provider"] == PROVIDER_LIMIT, f"the cap never bound: {peaks}"
 
 
 def _nothing_left(fleet: Fleet) -> None:
@@ -146,13 +151,16 @@ def test_capped_tasks_under_a_worker_option(make_fleet: FleetFactory, cell: Cell
             proxy.open()
 
         # Then every task finishes: exactly once, or at least once where the fault cut runs short
+        # or the broker delivered a copy again (a lost connection: a message a worker had taken
+        # but not acknowledged comes back, as Celery's at-least-once delivery has it)
         fleet.wait_all_done(sent, 120)
         record = fleet.record()
         twice = {task_id for task_id in sent if record.starts[task_id] > 1}
-        assert twice <= cut, f"run twice without being cut short: {twice - cut}"
+        redelivered = {task_id for task_id in twice if any(run.redelivered for run in record.runs_of(task_id))}
+        assert twice <= cut | redelivered, f"run twice without being cut short or redelivered: {twice - cut}"
         assert all(record.done[task_id] >= 1 for task_id in sent)
-        # ... the caps held (counting task ids: a run cut short and its redelivery hold one slot)
-        _check_caps(record)
+        # ... the caps held
+        _check_caps(record, bound=cell.concurrency >= PROVIDER_LIMIT)
         # ... no body started on the worker after its warm shutdown began
         if cell.fault == "warm":
             assert signalled_at is not None
@@ -189,5 +197,9 @@ def test_a_time_limit_fails_the_task_and_frees_its_slot_at_once(make_fleet: Flee
     fleet.wait_all_done(ordinary, 30)
     record = fleet.record()
     assert [record.starts[task_id] for task_id in ordinary] == [1, 1, 1]
-    assert record.interval_peak(f"one:{scope}") == 1
+    # (A run killed by its hard limit records no end: it ran until its limit, 1.5 s, at least.)
+    ends = {run.token: run.end if run.end is not None else run.start + HARD_LIMIT_SECONDS for run in record.runs}
+    intervals = sorted((run.start, ends[run.token]) for run in record.runs)
+    overlapping = [(a, b) for a, b in itertools.pairwise(intervals) if b[0] < a[1]]
+    assert overlapping == [], f"two runs of a cap of 1 at once: {overlapping}"
     _nothing_left(fleet)
