@@ -71,8 +71,8 @@ STRATEGIES: dict[str, dict[str, str]] = {
     "park": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park"},
     # Park on workers that prefetch 4 messages per process (Celery's default multiplier).
     "park, prefetch 4": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park", "CAPS_BENCH_PREFETCH": "4"},
-    # Park, with a task that finds room when sent sent without taking its slots (caps_admit_on_publish off).
-    "park without admit on publish": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_admit_on_publish=False"},
+    # Park, with the sender taking its slots, or parking it, as a task is sent.
+    "park on publish": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_park_on_publish=True"},
     # A fleet with no process to spare: one worker with as many processes as the cap has slots.
     "park, 1 worker x -c 4": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park"},
     "backoff 0.05-1s, 1 worker x -c 4": {

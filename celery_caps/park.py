@@ -351,7 +351,11 @@ def admit_when_sent(
     options: dict[str, Any],
 ) -> Sent:
     """``caps_park_on_publish``: park the task being sent if its slots are full, or take them if
-    they have room (``caps_admit_on_publish``); the outcome, or an empty one to send it as usual."""
+    they have room; the outcome, or an empty one to send it as usual.
+
+    The trade-off: a store call on the sender's path (its latency, its connection, its outage:
+    the task is then sent as usual) against one broker message less for a task that waits, and
+    a burst whose first tasks take their slots as they are sent (the next ones see them taken)."""
     from . import backoff
     from .worker import runtime_for
 
@@ -403,14 +407,14 @@ def admit_when_sent(
         return send_as_usual
     if len(payload) > parking.max_payload_bytes:
         return send_as_usual
-    # Taken when sent (caps_admit_on_publish), the slots are held like a release's dispatch:
+    # Taken when sent, the slots are held like a release's dispatch:
     # by the dispatch holder, for the dispatch lease, until the receiving worker claims them.
     run_id = uuid.uuid4().hex
     try:
         outcome = store.park(
             slots, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds(runtime),
             payload=payload, first_deferred_at=first_deferred_at, max_waiters=parking.max_waiters,
-            task_name=task.name, admit=parking.admit_on_publish,
+            task_name=task.name,
         )  # fmt: skip
     except StoreError as exc:
         logger.warning("%s[%s] sent to the broker: could not check its slots (%s)", task.name, task_id, exc)

@@ -43,8 +43,9 @@ DEFAULTS: dict[str, Any] = {
     "caps_dispatch_lease_seconds": None,  # None: caps_lease_seconds
     "caps_park_max_waiters": 10000,
     "caps_park_max_payload_bytes": 65536,
-    "caps_park_on_publish": True,  # with park: a task whose slots are full when it is sent waits in the store
-    "caps_admit_on_publish": True,  # with park on publish: a task sent while its slots have room takes them then
+    # With park: sending a capped task checks its slots (a store call in the sender): full, it waits
+    # in the store at once (one broker message less); with room, it takes them as it is sent.
+    "caps_park_on_publish": False,
 }
 
 
@@ -92,8 +93,7 @@ class ParkingSettings:
     dispatch_lease_seconds: float | None = None
     max_waiters: int = 10000
     max_payload_bytes: int = 65536
-    on_publish: bool = True
-    admit_on_publish: bool = True
+    on_publish: bool = False
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> ParkingSettings:
@@ -119,7 +119,6 @@ class ParkingSettings:
             _positive_int(conf, "caps_park_max_waiters"),
             _positive_int(conf, "caps_park_max_payload_bytes"),
             _flag(conf, "caps_park_on_publish"),
-            _flag(conf, "caps_admit_on_publish"),
         )
 
     def strategy_for(self, caps: Sequence[Cap]) -> str:

@@ -201,10 +201,9 @@ class CappedTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """Celery's, except for admission when sent (``caps_park_on_publish``, with the park
-        strategy): a task whose slots are full right now goes straight to the waiting list
-        instead of the broker, and (``caps_admit_on_publish``) one whose slots have room takes
-        them now, as a dispatch its worker claims on arrival."""
+        """Celery's; with ``caps_park_on_publish`` (off by default) and the park strategy, a task
+        whose slots are full right now goes straight to the waiting list instead of the broker,
+        and one whose slots have room takes them now, as a dispatch its worker claims on arrival."""
         if self._caps and not park.REPUBLISHING.get():
             sent = park.admit_when_sent(self, args, kwargs, task_id, link, link_error, shadow, options)
             if sent.parked is not None:

@@ -519,9 +519,9 @@ def warm_up(app: Celery) -> None:
     """Connect this process to ``app``'s slot store and check its schema now, not in the first
     capped ``apply_async`` (which would otherwise take tens to hundreds of milliseconds longer).
 
-    For processes that send capped tasks: call it after they fork (a web server's post-fork
-    hook), never before, as connections do not survive a fork.  Worker pool processes warm up
-    by themselves.  Raises :class:`~celery_caps.errors.ConfigurationError` for a bad
+    For processes that send capped tasks with ``caps_park_on_publish`` (otherwise sending never
+    touches the store): call it after they fork (a web server's post-fork hook), never before,
+    as connections do not survive a fork.  Worker pool processes warm up by themselves.  Raises :class:`~celery_caps.errors.ConfigurationError` for a bad
     ``caps_url`` and :class:`~celery_caps.errors.StoreError` if the store cannot be reached.
     """
     runtime_for(app).store.warm_up()

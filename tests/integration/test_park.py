@@ -35,6 +35,8 @@ TENANT_LIMIT = 2
 TASKS = 160
 WORKERS = 3
 CONCURRENCY = 4
+#: The fleet setting of the tests of admission when sent (``caps_park_on_publish``, off by default).
+PARK_ON_PUBLISH = json.dumps({"caps_park_on_publish": True})
 
 
 @pytest.mark.parametrize(
@@ -136,7 +138,7 @@ def test_a_woken_task_overtakes_its_queue_backlog_and_keeps_its_queue(make_fleet
 
 def test_tasks_sent_while_their_cap_is_full_wait_in_the_store_and_cost_one_message(make_fleet: FleetFactory) -> None:
     redis_url = require_service("redis")
-    fleet = make_fleet(broker=redis_url, caps_url=require_service("postgres"), strategy="park")
+    fleet = make_fleet(broker=redis_url, caps_url=require_service("postgres"), strategy="park", conf=PARK_ON_PUBLISH)
     scope = uuid.uuid4().hex[:16]
     fleet.start(1, concurrency=2)
     hold = fleet.app.tasks["fleet.hold"]
@@ -178,6 +180,7 @@ def test_a_burst_sent_with_room_takes_its_slots_when_sent_and_costs_one_message_
     make_fleet: FleetFactory,
 ) -> None:
     fleet = make_fleet(
+        conf=PARK_ON_PUBLISH,
         broker=require_service("redis"),
         caps_url=require_service("postgres"),
         provider_limit=PROVIDER_LIMIT,
@@ -228,7 +231,11 @@ def test_a_task_sent_while_no_worker_runs_holds_its_slot_until_its_dispatch_expi
     make_fleet: FleetFactory,
 ) -> None:
     fleet = make_fleet(
-        broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park", dispatch_lease=1
+        conf=PARK_ON_PUBLISH,
+        broker=require_service("redis"),
+        caps_url=require_service("postgres"),
+        strategy="park",
+        dispatch_lease=1,
     )
     scope = uuid.uuid4().hex[:16]
     hold = fleet.app.tasks["fleet.hold"]
@@ -267,7 +274,13 @@ def test_a_task_that_took_its_slot_when_sent_and_expired_hands_it_to_the_next_wa
 ) -> None:
     # Long leases and no sweep: the waiter runs soon only if the discarded task's slot is
     # handed on when the worker discards it.
-    fleet = make_fleet(broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park", lease=60)
+    fleet = make_fleet(
+        broker=require_service("redis"),
+        caps_url=require_service("postgres"),
+        strategy="park",
+        conf=PARK_ON_PUBLISH,
+        lease=60,
+    )
     scope = uuid.uuid4().hex[:16]
     hold = fleet.app.tasks["fleet.hold"]
 
@@ -295,7 +308,9 @@ def test_a_woken_copy_that_comes_after_its_dispatch_expired_and_the_task_was_dis
     make_fleet: FleetFactory,
 ) -> None:
     # One process, taking one message at a time: the copies arrive in the order they were sent.
-    fleet = make_fleet(broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park")
+    fleet = make_fleet(
+        broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park", conf=PARK_ON_PUBLISH
+    )
     scope = uuid.uuid4().hex[:16]
     slot = fleet.slot(f"one:{scope}")
     hold = fleet.app.tasks["fleet.hold"]
@@ -330,7 +345,9 @@ def test_a_woken_copy_that_comes_after_its_dispatch_expired_and_the_task_was_dis
 
 
 def test_a_task_whose_publish_fails_gives_back_the_slots_it_took_when_sent(make_fleet: FleetFactory) -> None:
-    fleet = make_fleet(broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park")
+    fleet = make_fleet(
+        broker=require_service("redis"), caps_url=require_service("postgres"), strategy="park", conf=PARK_ON_PUBLISH
+    )
     scope = uuid.uuid4().hex[:16]
     # A client whose broker refuses connections (nothing listens on the discard port), without retries
     client = make_app({**fleet.env, "CAPS_FLEET_BROKER": "redis://127.0.0.1:9/0"}, current=False)
@@ -456,7 +473,12 @@ def test_a_task_whose_claim_meets_a_store_outage_claims_its_dispatch_once_the_st
 ) -> None:
     proxy, caps_url = postgres_proxy
     fleet = make_fleet(
-        broker=require_service("redis"), caps_url=caps_url, strategy="park", backoff_min=0.2, backoff_max=0.5
+        conf=PARK_ON_PUBLISH,
+        broker=require_service("redis"),
+        caps_url=caps_url,
+        strategy="park",
+        backoff_min=0.2,
+        backoff_max=0.5,
     )
     store = postgres_store  # straight to PostgreSQL: readable during the outage
     scope = uuid.uuid4().hex[:16]
@@ -555,6 +577,7 @@ def test_a_waiter_past_its_max_wait_gives_up_with_the_named_error_even_when_a_pu
     caps_url = f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else require_service(store)
     # A dispatch lease of 2 s: a readmit whose copy is lost is readmitted again that soon.
     fleet = make_fleet(
+        conf=PARK_ON_PUBLISH,
         broker=redis_url, backend=redis_url, caps_url=caps_url, strategy="park", lease=30, max_wait=1,
         dispatch_lease=2,
     )  # fmt: skip
@@ -836,7 +859,9 @@ def test_under_celerys_default_prefetch_no_task_runs_twice_even_longer_than_its_
 @pytest.mark.parametrize("sent_by", ["apply_async", "send_task"])
 def test_a_task_whose_expiry_passes_while_it_waits_never_runs(make_fleet: FleetFactory, sent_by: str) -> None:
     redis_url = require_service("redis")
-    fleet = make_fleet(broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park")
+    fleet = make_fleet(
+        broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park", conf=PARK_ON_PUBLISH
+    )
     fleet.start(1, concurrency=3)
     scope = uuid.uuid4().hex[:16]
     hold = fleet.app.tasks["fleet.hold"]
@@ -867,9 +892,10 @@ def test_a_task_whose_expiry_passes_while_it_waits_never_runs(make_fleet: FleetF
 
 @pytest.mark.postgres
 @pytest.mark.redis
+@pytest.mark.parametrize("parked", ["when-sent", "on-arrival"])
 @pytest.mark.parametrize("routed_by", ["task_default_queue", "task_routes"])
 def test_a_woken_task_goes_to_the_wake_queue_of_the_queue_celerys_router_chooses(
-    make_fleet: FleetFactory, routed_by: str
+    make_fleet: FleetFactory, routed_by: str, parked: str
 ) -> None:
     redis_url = require_service("redis")
     routed = f"{uuid.uuid4().hex[:8]}-routed"
@@ -877,15 +903,21 @@ def test_a_woken_task_goes_to_the_wake_queue_of_the_queue_celerys_router_chooses
         {"routes": json.dumps({"fleet.hold": {"queue": routed}})} if routed_by == "task_routes" else {}
     )
     fleet = make_fleet(
-        broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park", **settings
+        conf=PARK_ON_PUBLISH if parked == "when-sent" else None,
+        broker=redis_url,
+        backend=redis_url,
+        caps_url=require_service("postgres"),
+        strategy="park",
+        **settings,
     )
     queue = routed if routed_by == "task_routes" else queue_name(fleet.prefix)
     fleet.start(1, concurrency=2, queues=[queue_name(fleet.prefix), routed])
     scope = uuid.uuid4().hex[:16]
     hold = fleet.app.tasks["fleet.hold"]
 
-    # Given a task holding its slot (a cap of 1), a task parked behind it when sent (apply_async,
-    # no queue= of its own), and a backlog of twelve tasks on other slots in the same queue
+    # Given a task holding its slot (a cap of 1), a task parked behind it (when sent, or by the
+    # worker it reached; apply_async without a queue= of its own), and a backlog of twelve tasks
+    # on other slots in the same queue
     holder = hold.apply_async(args=[scope, 1.0]).id
     wait_for(lambda: fleet.record().starts[holder] == 1, 15, "the holder never started")
     woken = hold.apply_async(args=[scope, 0.1]).id

@@ -266,8 +266,9 @@ def test_explain_a_task_sent_with_room_says_its_slots_are_reserved_for_it(
     app: Celery, store: SlotStore, prefix: str
 ) -> None:
     parking_store(store)
-    # Given a task sent (to the in-memory broker) while its caps have room: it takes its
-    # slots as it is sent, held by the dispatch holder until a worker claims them
+    app.conf.caps_park_on_publish = True
+    # Given a task sent (to the in-memory broker) while its caps have room, with admission when
+    # sent: it takes its slots as it is sent, held by the dispatch holder until a worker claims them
     sent = app.tasks[f"{prefix}import_file"].apply_async(("acme", "a.csv"))
     reserved = [lease for lease in store.leases() if lease.task_id == sent.id]
     assert sorted((lease.slot, lease.holder) for lease in reserved) == [

@@ -92,6 +92,7 @@ def test_tasks_sent_to_a_full_cap_are_parked_with_their_group_and_links(app: Cel
     from celery_caps.worker import runtime_for
 
     app.conf.caps_strategy = "park"
+    app.conf.caps_park_on_publish = True
 
     @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False)
     def work(number: int) -> int:

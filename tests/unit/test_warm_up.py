@@ -24,9 +24,11 @@ def _tables(path: Path) -> set[str]:
 
 
 def test_warm_up_prepares_the_store_before_the_first_send(tmp_path: Path) -> None:
-    # Given an app whose store is a database nobody has used yet
+    # Given an app whose senders check their slots as they send (caps_park_on_publish), and whose
+    # store is a database nobody has used yet
     path = tmp_path / "caps.db"
     app = _app(f"sqlite:///{path}")
+    app.conf.caps_park_on_publish = True
 
     @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False)
     def work() -> None: ...
