@@ -67,6 +67,22 @@ def reachable(url: str, timeout: float = 1.0) -> str | None:
     return None
 
 
+def drop_bench_databases(server_url: str) -> None:
+    """Drop every benchmark database on ``server_url``'s server (a run starts and ends with none:
+    nothing of an earlier run, or of another version's schema, is measured)."""
+    url = sa.engine.make_url(server_url)
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            for name in BENCH_DATABASES.values():
+                if url.get_backend_name() == "postgresql":
+                    connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+                else:
+                    connection.exec_driver_sql(f"DROP DATABASE IF EXISTS `{name}`")
+    finally:
+        engine.dispose()
+
+
 def bench_database_url(server_url: str, variant: str) -> str:
     """``server_url`` pointed at the benchmark database of ``variant``, created if missing."""
     url = sa.engine.make_url(server_url)

@@ -33,9 +33,12 @@ from benchmarks.common import (
     CpuSteal,
     Options,
     Report,
+    drop_bench_databases,
     figures_from_json,
     markdown_table,
     new_run_id,
+    reachable,
+    service_url,
 )
 from benchmarks.utilisation import STRATEGIES as UTILISATION_STRATEGIES
 
@@ -132,6 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(figures_from_json(args.markdown_from)))
         return 0
     rounds = args.rounds or (1 if args.quick else 3)
+    sql_servers = [service_url(name) for name in ("postgres", "mysql") if not reachable(service_url(name))]
+    for server in sql_servers:
+        drop_bench_databases(server)
+    try:
+        return _run(args, argv, rounds)
+    finally:
+        for server in sql_servers:
+            drop_bench_databases(server)
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None, rounds: int) -> int:
     with tempfile.TemporaryDirectory(prefix="caps-bench-") as tmp:
         options = Options(
             quick=args.quick,

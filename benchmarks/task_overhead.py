@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from .benchapp import ENV
 from .clients import caps_url_for, drop_slots
@@ -22,8 +23,13 @@ PART = "overhead"
 CONCURRENCY = 2
 #: The issue's reference: Celery alone, no-op tasks, ``-c 2`` on this machine.
 CELERY_REFERENCE_PER_SECOND = 1500
-#: Capped / uncapped throughput targets (PostgreSQL store).
-TARGETS = {"noop": 0.6, "sleep10": 0.9}
+#: Capped / uncapped throughput targets, per store.
+TARGETS = {"postgresql": {"noop": 0.75, "sleep10": 0.95}, "redis": {"noop": 0.9, "sleep10": 0.98}}
+#: What sending a capped task may cost the sender, over a plain task's send.
+SEND_TARGET = 1.2
+#: ``apply_async`` calls per send trial, and trials (capped and plain alternate).
+SEND_CALLS = 200
+SEND_TRIALS = 6
 
 
 def run(report: Report, options: Options) -> None:
@@ -37,6 +43,7 @@ def run(report: Report, options: Options) -> None:
         if caps_url is None:
             report.note(f"overhead benchmarks skip {store}: {why}")
             continue
+        measure_sending(report, options, broker, caps_url, store)
         prefix = f"{options.run_prefix}o{store[:2]}-"
         env = dict(ENV)
         env.update(
@@ -92,7 +99,7 @@ def measure(report: Report, options: Options, fleet: BenchFleet, store: str) -> 
         capped, uncapped = throughput[kind]["capped"], throughput[kind]["uncapped"]
         ratios = [ratio(a, b) for a, b in zip(capped, uncapped, strict=True)]
         value = median(ratios)
-        target = TARGETS[kind] if store == "postgresql" else None
+        target = TARGETS.get(store, {}).get(kind)
         # Worker time a cap adds to each task: -c 2 processes share the work.
         added = [CONCURRENCY * 1000 * (1 / a - 1 / b) for a, b in zip(capped, uncapped, strict=True)]
         report.add(
@@ -133,3 +140,66 @@ def measure(report: Report, options: Options, fleet: BenchFleet, store: str) -> 
             )
     if incomplete:
         report.note(f"overhead {store}: {incomplete} trial(s) did not finish in time (left out)")
+
+
+def measure_sending(report: Report, options: Options, broker: str, caps_url: str, store: str) -> None:
+    """What ``apply_async`` of a capped task costs the sender against a plain task's, no worker
+    running: by default (the sender never touches the store) and with ``caps_park_on_publish``
+    (a store call per send).  Capped and plain trials alternate; the figure is the median of
+    per-pair ratios of the mean time per call."""
+    import time
+
+    from celery import Celery
+
+    from celery_caps import Cap, CappedTask
+
+    trials = 2 if options.quick else SEND_TRIALS
+    for label, park_on_publish in (("default", False), ("caps_park_on_publish", True)):
+        app = Celery(f"{options.run_prefix}send", broker=broker, set_as_current=False)
+        queue = f"{options.run_prefix}send-{store}-{int(park_on_publish)}"
+        app.conf.update(
+            caps_url=caps_url, caps_park_on_publish=park_on_publish, task_default_queue=queue,
+            broker_transport_options={"global_keyprefix": f"{options.run_prefix}kombu:"},
+        )  # fmt: skip
+        cap = Cap(f"{options.run_prefix}send-{store}", 1_000_000)
+
+        @app.task(name="bench.send_plain", shared=False)
+        def plain() -> None: ...
+
+        @app.task(name="bench.send_capped", base=CappedTask, cap=cap, shared=False)
+        def capped() -> None: ...
+
+        def mean_seconds(task: Any) -> float:
+            started = time.perf_counter()
+            for _ in range(SEND_CALLS):
+                task.apply_async()
+            return (time.perf_counter() - started) / SEND_CALLS
+
+        try:
+            mean_seconds(plain), mean_seconds(capped)  # connections, the store's schema
+            ratios, capped_ms, plain_ms = [], [], []
+            for trial in range(trials):
+                pair = (capped, plain) if trial % 2 == 0 else (plain, capped)
+                seconds = {task.name: mean_seconds(task) for task in pair}
+                capped_ms.append(seconds["bench.send_capped"] * 1000)
+                plain_ms.append(seconds["bench.send_plain"] * 1000)
+                ratios.append(seconds["bench.send_capped"] / seconds["bench.send_plain"])
+            value = median(ratios)
+            report.add(
+                Figure(
+                    PART,
+                    f"{store}: sending a capped task ({label}), over a plain send",
+                    value,
+                    "ratio",
+                    versus=f"capped {median(capped_ms):.3f} ms vs plain {median(plain_ms):.3f} ms per apply_async",
+                    ratio=value,
+                    target="" if park_on_publish else f"<= {SEND_TARGET}",
+                    met=None if park_on_publish else value <= SEND_TARGET,
+                    repeats=ratios,
+                )
+            )
+        finally:
+            with app.connection_for_write() as connection:
+                connection.default_channel.queue_purge(queue)
+            app.close()
+            drop_slots(caps_url, cap.name)

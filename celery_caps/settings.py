@@ -39,6 +39,8 @@ DEFAULTS: dict[str, Any] = {
     "caps_metrics_port": None,  # None: no metrics endpoint (also: celery worker --caps-metrics-port)
     "caps_metrics_address": "0.0.0.0",
     "caps_deferred_state": True,
+    # Eager runs (task_always_eager, apply()) take their caps too, waiting in the calling process.
+    "caps_enforce_eager": False,
     "caps_strategy": "park",  # or "backoff", or {"default": ..., "<cap name>": ...}
     "caps_dispatch_lease_seconds": None,  # None: caps_lease_seconds
     "caps_park_max_waiters": 10000,
@@ -151,6 +153,7 @@ class CapsSettings:
     metrics_address: str = "0.0.0.0"
     deferred_state: bool = True
     on_lease_lost: LeaseLostPolicy = "continue"
+    enforce_eager: bool = False
     parking: ParkingSettings = field(default_factory=ParkingSettings)
 
     @classmethod
@@ -211,6 +214,7 @@ class CapsSettings:
             metrics_address=metrics_address,
             deferred_state=_flag(conf, "caps_deferred_state"),
             on_lease_lost=lease_lost,
+            enforce_eager=_flag(conf, "caps_enforce_eager"),
             parking=ParkingSettings.from_conf(conf),
         )
 

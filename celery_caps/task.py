@@ -3,7 +3,10 @@
 Admission happens in ``Task.__call__``, in the process that runs the task (a
 prefork child, a pool thread, a greenlet or the solo worker), after the worker
 received the message and before the body: all of the task's caps are taken in
-one store transaction.  When a cap is full, the strategy decides what becomes of
+one store transaction.  Calls that are not messages follow Celery's conventions:
+a direct call (``mytask(...)``) is a plain function call, and an eager run
+(``task_always_eager``, ``apply()``) runs without caps unless ``caps_enforce_eager``
+says otherwise.  When a cap is full, the strategy decides what becomes of
 the copy: *park* (:mod:`celery_caps.park`, the default) keeps the task in the
 store's waiting list until a release hands it a slot; *backoff*
 (:mod:`celery_caps.backoff`) publishes it again with a countdown.
@@ -16,10 +19,12 @@ overwrites it), and with task events on (``-E``) the worker sends a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task
@@ -51,6 +56,19 @@ _RELEASE_WHEN_KILLED_ERRORS: tuple[type[BaseException], ...] = (Exception, *_GRE
 #: The result state of a task waiting for its caps, and the event sent when it is put back.
 DEFERRED_STATE = "DEFERRED"
 DEFERRED_EVENT = "task-deferred"
+
+#: The slots held by the capped runs under way in this thread (or greenlet): an eager call
+#: nested in one runs under its admission for those slots, rather than wait for itself.
+_HELD_HERE: ContextVar[frozenset[str]] = ContextVar("celery_caps_held_here", default=frozenset())
+
+
+@contextlib.contextmanager
+def _holding(slots: Mapping[str, int]) -> Iterator[None]:
+    token = _HELD_HERE.set(_HELD_HERE.get() | frozenset(slots))
+    try:
+        yield
+    finally:
+        _HELD_HERE.reset(token)
 
 
 def _ignores_result(task: Task, request: Any) -> bool:
@@ -98,16 +116,21 @@ class CappedTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         caps = self._caps
-        if not caps:
+        request = self.request
+        if not caps or request.called_directly:
+            # A direct call is a plain function call, as in Celery: no store, no lease.
             return super().__call__(*args, **kwargs)
         runtime = runtime_for(self._get_app())
-        request = self.request
+        if request.is_eager and not runtime.settings.enforce_eager:
+            return super().__call__(*args, **kwargs)
         slots = slots_for(caps, args, kwargs)
         holder = holder_name(request.hostname, None)
         run_id: str | None
-        if request.called_directly or request.is_eager:
-            run_id = self._admit_waiting(runtime, request.id or str(uuid.uuid4()), slots, holder)
-            runtime.metrics.admitted(slots, 0.0)
+        if request.is_eager:
+            # Slots this thread holds already (an eager call nested in a capped run) are its caller's.
+            needed = {slot: limit for slot, limit in slots.items() if slot not in _HELD_HERE.get()}
+            run_id = self._admit_waiting(runtime, request, needed, holder) if needed else None
+            runtime.metrics.admitted(needed, 0.0)
         else:
             runs_before = runtime.runs_of(request.id)
             try:
@@ -118,7 +141,8 @@ class CappedTask(Task):  # type: ignore[misc]
         # The body's request is a copy of this one: retry() finds the run there.
         request.caps_run_id = run_id
         try:
-            return super().__call__(*args, **kwargs)
+            with _holding(slots):
+                return super().__call__(*args, **kwargs)
         finally:
             if run_id is not None:
                 runtime.finish(run_id)
@@ -274,17 +298,31 @@ class CappedTask(Task):  # type: ignore[misc]
         except Exception as exc:  # the state is information; the task must still go back
             logger.warning("%s[%s]: could not store state %s (%s)", self.name, request.id, DEFERRED_STATE, exc)
 
-    def _admit_waiting(self, runtime: CapsRuntime, task_id: str, slots: Mapping[str, int], holder: str) -> str:
-        """For direct calls and ``apply()``: wait in this process until the caps admit."""
+    def _admit_waiting(self, runtime: CapsRuntime, request: Any, slots: Mapping[str, int], holder: str) -> str | None:
+        """An eager run under ``caps_enforce_eager``: wait in this process until the caps admit.
+
+        There is no broker to put it back to: a full cap, or a store error under
+        ``caps_on_store_error = "defer"``, waits (and gives up after ``caps_max_wait_seconds``).
+        None: it runs uncapped (``caps_on_store_error = "run"``).
+        """
         settings = runtime.settings
+        task_id = request.id or str(uuid.uuid4())
         started = time.monotonic()
         attempt = 0
         while True:
-            admission, run_id = runtime.acquire(slots, task_id, holder, task_name=self.name, deferrals=attempt)
-            if admission.granted:
+            try:
+                admission, run_id = runtime.acquire(slots, task_id, holder, task_name=self.name, deferrals=attempt)
+                full = list(admission.full_slots)
+            except StoreError as exc:
+                if settings.on_store_error != "defer":
+                    backoff.on_store_error(self, runtime, request, slots, (), {}, exc)
+                    return None  # "run": uncapped ("fail" raised)
+                logger.warning("%s[%s] waits: slot store error (%s)", self.name, task_id, exc)
+                admission, run_id, full = None, "", list(slots)
+            if admission is not None and admission.granted:
                 return run_id
             waited = time.monotonic() - started
             if settings.max_wait_seconds is not None and waited >= settings.max_wait_seconds:
-                raise CapWaitExceeded(self.name, task_id, waited, list(admission.full_slots))
+                raise CapWaitExceeded(self.name, task_id, waited, full)
             time.sleep(backoff.backoff_seconds(attempt, settings.backoff_min_seconds, settings.backoff_max_seconds))
             attempt += 1

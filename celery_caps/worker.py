@@ -16,6 +16,7 @@ waiters moving when no release does (see :mod:`celery_caps.park`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -507,12 +508,26 @@ class LeaseKeeper(threading.Thread):
 
 
 def runtime_for(app: Celery) -> CapsRuntime:
-    """The app's runtime in this process, created on first use."""
+    """The app's runtime in this process, created on first use; ``app.close()`` closes it."""
     runtime: CapsRuntime | None = getattr(app, _RUNTIME_ATTRIBUTE, None)
     if runtime is None:
         runtime = CapsRuntime(app)
         setattr(app, _RUNTIME_ATTRIBUTE, runtime)
+        _close_with(app, runtime)
     return runtime
+
+
+def _close_with(app: Celery, runtime: CapsRuntime) -> None:
+    """Make ``app.close()`` close ``runtime`` too: its store connections and its threads go with
+    the app (a test suite that builds an app per test would otherwise keep a connection each)."""
+    close_app = app.close
+
+    @functools.wraps(close_app)
+    def close(*args: Any, **kwargs: Any) -> Any:
+        runtime.close()
+        return close_app(*args, **kwargs)
+
+    app.close = close
 
 
 def warm_up(app: Celery) -> None:
@@ -521,8 +536,11 @@ def warm_up(app: Celery) -> None:
 
     For processes that send capped tasks with ``caps_park_on_publish`` (otherwise sending never
     touches the store): call it after they fork (a web server's post-fork hook), never before,
-    as connections do not survive a fork.  Worker pool processes warm up by themselves.  Raises :class:`~celery_caps.errors.ConfigurationError` for a bad
-    ``caps_url`` and :class:`~celery_caps.errors.StoreError` if the store cannot be reached.
+    as connections do not survive a fork.  Worker pool processes warm up by themselves.
+
+    Raises:
+        ConfigurationError: a bad ``caps_url``.
+        StoreError: the store cannot be reached.
     """
     runtime_for(app).store.warm_up()
 
@@ -750,6 +768,18 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
             self._metrics_server = None
+
+
+@signals.worker_init.connect  # type: ignore[untyped-decorator]
+def _install_on_worker_init(sender: Any = None, **_: Any) -> None:
+    # Before the worker builds its steps: an app with caps configured gets them (the wake queues
+    # of every queue it consumes, the checks at start) whatever tasks it has registered yet, so
+    # that tasks registered later (Celery's test worker and its reload()) park and wake too.
+    app = getattr(sender, "app", None)
+    if app is not None and app.conf.get("caps_url") not in (None, ""):
+        from .sweep import install
+
+        install(app)
 
 
 @signals.worker_process_init.connect  # type: ignore[untyped-decorator]

@@ -3,6 +3,11 @@
 It honours the whole store contract (atomic all-or-nothing admission, leases by
 the store's own clock, sweep keeping sentinels) but lives in one process's
 memory: it cannot cap a fleet.  ``clock`` can be replaced to test expiry.
+
+It also keeps, for tests of a project's own tasks (:mod:`celery_caps.testing`), what
+no other store keeps: the most task ids that ever held each slot at once
+(:attr:`MemoryStore.peaks`), and how long each task waited in the waiting list
+(:attr:`MemoryStore.waited`).
 """
 
 from __future__ import annotations
@@ -87,6 +92,10 @@ class MemoryStore(SlotStore):
         self._history: list[HistoryEvent] = []
         self._waiting: dict[str, _WaiterEntry] = {}  # task id -> waiter
         self._sequence = itertools.count()
+        #: Slot name -> the most distinct task ids that held a lease of it at once.
+        self.peaks: dict[str, int] = {}
+        #: Task id -> seconds between its park and its claim (store clock), for tasks that waited.
+        self.waited: dict[str, float] = {}
 
     supports_parking = True
 
@@ -173,6 +182,7 @@ class MemoryStore(SlotStore):
     ) -> None:
         for slot in slots:
             self._leases.setdefault(slot, {})[run_id] = _LeaseEntry(task_id, holder, expires_at, task_name, now)
+            self.peaks[slot] = max(self.peaks.get(slot, 0), len(self._live_task_ids(slot, now)))
 
     def _in_order(self, entries: Iterable[_WaiterEntry]) -> list[_WaiterEntry]:
         return sorted(entries, key=lambda waiter: (waiter.first_deferred_at, waiter.parked_at, waiter.sequence))
@@ -247,6 +257,7 @@ class MemoryStore(SlotStore):
                     lease.holder = holder
                     lease.expires_at = now + lease_seconds
                 if entry is not None and entry.dispatch_run_id == run_id and entry.listed:
+                    self.waited[task_id] = now - entry.parked_at
                     self._settle_locked(entry, now, holder)
                 return ClaimOutcome.RUN
             if live and any(lease.holder != DISPATCH_HOLDER for lease in live):

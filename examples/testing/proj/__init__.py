@@ -1,0 +1,1 @@
+"""A small project with capped tasks, and the tests a user writes for them (``tests/``)."""
