@@ -1,7 +1,8 @@
 """Capped tasks called in this process (eager ``apply()``, a direct call) and namespaced settings.
 
-No worker here: these paths run the task in the calling process, and must take
-and release their slots in the real store all the same.
+No worker here: these paths run the task in the calling process.  As in Celery, a direct
+call is a plain function call and an eager run takes nothing, unless ``caps_enforce_eager``:
+then it takes and releases its slots in the real store.
 """
 
 from __future__ import annotations
@@ -52,29 +53,31 @@ def app(store: SlotStore) -> Iterator[Celery]:
     built.close()
 
 
-@pytest.mark.parametrize("how", ["apply", "direct call"])
-def test_calls_in_this_process_take_and_release_their_slot(app: Celery, store: SlotStore, how: str) -> None:
+@pytest.mark.parametrize("how", ["direct call", "apply", "apply, caps_enforce_eager"])
+def test_calls_in_this_process_follow_celerys_conventions(app: Celery, store: SlotStore, how: str) -> None:
     scope = uuid.uuid4().hex[:16]
     slot = f"{app.fleet_prefix}one:{scope}"  # type: ignore[attr-defined]
     task = app.tasks["fleet.inspect"]
+    app.conf.caps_enforce_eager = how.endswith("caps_enforce_eager")
 
     # When the task runs eagerly or is called like a function
-    seen: dict[str, Any] = task.apply(args=[scope]).get() if how == "apply" else task(scope)
+    seen: dict[str, Any] = task(scope) if how == "direct call" else task.apply(args=[scope]).get()
 
-    # Then its body ran holding exactly one lease of its slot, under its own run (a direct
-    # call has no task id: the lease carries a fresh one)
-    assert seen["run_id"], seen
-    assert [run_id for _, run_id in seen["leases"]] == [seen["run_id"]]
-    if how == "apply":
-        assert seen["leases"][0][0] == seen["task_id"]
-    # ... released as soon as it returned
+    # Then a direct call and an eager run take nothing (as Celery's own per-task options do not
+    # apply to them); enforced, an eager run holds exactly one lease of its slot, under its own
+    # run and its task id, released as soon as it returned
+    if how.endswith("caps_enforce_eager"):
+        assert seen["run_id"], seen
+        assert seen["leases"] == [[seen["task_id"], seen["run_id"]]]
+    else:
+        assert (seen["run_id"], seen["leases"]) == (None, []), seen
     assert store.leases(slot) == []
 
 
-def test_a_call_in_this_process_waits_for_its_slot(app: Celery, store: SlotStore) -> None:
+def test_an_enforced_eager_run_waits_for_its_slot(app: Celery, store: SlotStore) -> None:
     scope = uuid.uuid4().hex[:16]
     slot = f"{app.fleet_prefix}one:{scope}"  # type: ignore[attr-defined]
-    app.conf.caps_max_wait_seconds = 0.5
+    app.conf.update(caps_max_wait_seconds=0.5, caps_enforce_eager=True)
     runtime_for(app)  # settings are read once per process: after the change above
 
     # Given the slot taken by another task id
@@ -97,6 +100,7 @@ class NamespacedSettings:
     CELERY_CAPS_BACKOFF_MIN_SECONDS = 0.01
     CELERY_CAPS_BACKOFF_MAX_SECONDS = 0.02
     CELERY_CAPS_ON_STORE_ERROR = "fail"
+    CELERY_CAPS_ENFORCE_EAGER = True
 
 
 def test_namespaced_configuration(store: SlotStore) -> None:

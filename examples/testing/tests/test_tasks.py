@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from proj.tasks import import_file
+
+from celery_caps import Cap, CappedTask
 
 
 def test_a_direct_call_is_a_plain_function_call() -> None:
@@ -30,3 +33,20 @@ def test_imports_of_one_tenant_run_one_at_a_time(celery_app: Any, celery_worker:
     # ... the ones that found their tenant's slot taken waited in the store, then got it
     assert sum(1 for result in sent if caps.waited(result.id)) >= 2
     assert caps.waiting() == [] and caps.held() == []
+
+
+def test_a_task_defined_in_a_test_and_sent_to_a_named_queue_waits_and_runs(
+    celery_app: Any, celery_worker: Any, caps: Any
+) -> None:
+    # Celery's documented pattern: a task defined inside the test, then the worker reloaded.
+    # (The worker consumes the wake queue of every queue it consumes, whatever tasks it knew
+    # when it started: the woken task reaches it.)
+    @celery_app.task(base=CappedTask, cap=Cap("ledger", 1), shared=False)
+    def post(entry: int) -> int:
+        time.sleep(0.1)
+        return entry
+
+    celery_worker.reload()
+    results = [post.apply_async((n,), queue="celery") for n in range(3)]
+    assert [result.get(timeout=30) for result in results] == [0, 1, 2]
+    assert caps.peak("ledger") == 1
