@@ -102,7 +102,7 @@ class CapsContext(Protocol):
 
 def dispatch_lease_seconds(runtime: CapsContext) -> float:
     """How long a dispatch lasts unclaimed before recovery dispatches the task again, in seconds."""
-    return runtime.settings.parking.dispatch_lease_seconds or runtime.settings.lease_seconds
+    return runtime.settings.dispatch_lease_seconds
 
 
 def parks(runtime: CapsContext) -> bool:

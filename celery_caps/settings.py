@@ -25,7 +25,6 @@ LEASE_LOST_POLICIES: tuple[LeaseLostPolicy, ...] = ("continue", "stop")
 DEFAULTS: dict[str, Any] = {
     "caps_url": None,
     "caps_lease_seconds": 30.0,
-    "caps_renew_seconds": None,  # None: a third of caps_lease_seconds
     "caps_backoff_min_seconds": 0.5,
     "caps_backoff_max_seconds": 20.0,
     "caps_max_wait_seconds": None,
@@ -42,7 +41,6 @@ DEFAULTS: dict[str, Any] = {
     # Eager runs (task_always_eager, apply()) take their caps too, waiting in the calling process.
     "caps_enforce_eager": False,
     "caps_strategy": "park",  # or "backoff", or {"default": ..., "<cap name>": ...}
-    "caps_dispatch_lease_seconds": None,  # None: caps_lease_seconds
     "caps_park_max_waiters": 10000,
     "caps_park_max_payload_bytes": 65536,
     # With park: sending a capped task checks its slots (a store call in the sender): full, it waits
@@ -92,7 +90,6 @@ class ParkingSettings:
 
     default: str = PARK
     per_cap: Mapping[str, str] = field(default_factory=dict)
-    dispatch_lease_seconds: float | None = None
     max_waiters: int = 10000
     max_payload_bytes: int = 65536
     on_publish: bool = False
@@ -109,15 +106,9 @@ class ParkingSettings:
                     per_cap[str(cap_name)] = _strategy(f"caps_strategy[{cap_name!r}]", strategy)
         else:
             default = _strategy("caps_strategy", value)
-        dispatch = conf.get("caps_dispatch_lease_seconds", DEFAULTS["caps_dispatch_lease_seconds"])
-        if dispatch is not None and (
-            isinstance(dispatch, bool) or not isinstance(dispatch, (int, float)) or dispatch <= 0
-        ):
-            raise ConfigurationError(f"caps_dispatch_lease_seconds must be a positive number or None, got {dispatch!r}")
         return cls(
             default,
             per_cap,
-            None if dispatch is None else float(dispatch),
             _positive_int(conf, "caps_park_max_waiters"),
             _positive_int(conf, "caps_park_max_payload_bytes"),
             _flag(conf, "caps_park_on_publish"),
@@ -139,7 +130,6 @@ class CapsSettings:
 
     url: Any
     lease_seconds: float
-    renew_seconds: float
     backoff_min_seconds: float
     backoff_max_seconds: float
     max_wait_seconds: float | None
@@ -156,16 +146,23 @@ class CapsSettings:
     enforce_eager: bool = False
     parking: ParkingSettings = field(default_factory=ParkingSettings)
 
+    @property
+    def renew_seconds(self) -> float:
+        """How often a process renews its leases: a third of the lease, so that two renewals can
+        fail before one expires."""
+        return self.lease_seconds / 3
+
+    @property
+    def dispatch_lease_seconds(self) -> float:
+        """How long a dispatch waits for its copy before recovery dispatches the task again: a
+        lease (a copy that sits longer in a prefetch buffer or a broker backlog is dispatched
+        again, and the tombstone of its claim ends the late one)."""
+        return self.lease_seconds
+
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any]) -> CapsSettings:
         """Read and check the settings; raise :class:`ConfigurationError` naming a bad one."""
         lease = cast(float, _number(conf, "caps_lease_seconds"))
-        renew = _number(conf, "caps_renew_seconds", optional=True) or lease / 3
-        if renew >= lease:
-            raise ConfigurationError(
-                f"caps_renew_seconds ({renew}) must be shorter than caps_lease_seconds ({lease}), "
-                "or leases expire while their tasks run"
-            )
         backoff_min = cast(float, _number(conf, "caps_backoff_min_seconds"))
         backoff_max = cast(float, _number(conf, "caps_backoff_max_seconds"))
         if backoff_max < backoff_min:
@@ -200,7 +197,6 @@ class CapsSettings:
         return cls(
             url=conf.get("caps_url"),
             lease_seconds=lease,
-            renew_seconds=renew,
             backoff_min_seconds=backoff_min,
             backoff_max_seconds=backoff_max,
             max_wait_seconds=_number(conf, "caps_max_wait_seconds", optional=True),

@@ -452,21 +452,24 @@ class CapsRuntime:
 
 
 class LeaseKeeper(threading.Thread):
-    """Renews every lease its process holds, every ``caps_renew_seconds``, in one call."""
+    """Renews every lease its process holds, every third of ``caps_lease_seconds``, in one call;
+    after a failed renewal (the store away), every second until one succeeds."""
 
     def __init__(self, runtime: CapsRuntime) -> None:
         super().__init__(name="celery-caps-lease-keeper", daemon=True)
         self.runtime = runtime
         self._stopped = threading.Event()
+        self._renewal_failed = False
 
     def stop(self) -> None:
         self._stopped.set()
 
     def _next_wait(self) -> float:
-        # Releases that failed are retried every second (at most), so that slots free
-        # within a second or so of the store's return.
+        # Releases that failed, and a renewal that failed, are retried every second (at most):
+        # slots free, and leases are renewed, within a second or so of the store's return.
         interval = self.runtime.settings.renew_seconds
-        return min(interval, UNRELEASED_RETRY_SECONDS) if self.runtime.has_failed_calls() else interval
+        hurry = self.runtime.has_failed_calls() or self._renewal_failed
+        return min(interval, UNRELEASED_RETRY_SECONDS) if hurry else interval
 
     def run(self) -> None:
         interval = self.runtime.settings.renew_seconds
@@ -479,7 +482,7 @@ class LeaseKeeper(threading.Thread):
                     logger.debug("retrying failed store calls failed (%s)", exc)
                 except Exception:
                     logger.exception("retrying failed store calls crashed")
-            if time.monotonic() - last_renewal < interval * 0.9:
+            if time.monotonic() - last_renewal < interval * 0.9 and not self._renewal_failed:
                 continue
             last_renewal = time.monotonic()
             try:
@@ -488,14 +491,15 @@ class LeaseKeeper(threading.Thread):
                 logger.exception("writing the caps history failed")
             try:
                 lost = self.runtime.renew_held()
+                self._renewal_failed = False
             except StoreError as exc:
                 self.runtime.renewal_failures += 1
-                logger.warning(
-                    "lease renewal failed (%s); %d running task(s) keep running, retrying in %.1f s",
-                    exc,
-                    len(self.runtime.held_runs()),
-                    interval,
-                )
+                if not self._renewal_failed:
+                    logger.warning(
+                        "lease renewal failed (%s); %d running task(s) keep running, retrying every %.0f s",
+                        exc, len(self.runtime.held_runs()), UNRELEASED_RETRY_SECONDS,
+                    )  # fmt: skip
+                self._renewal_failed = True
                 continue
             except Exception:  # keep renewing whatever happens
                 self.runtime.renewal_failures += 1

@@ -36,11 +36,9 @@ ENV: dict[str, str | None] = {
     "CAPS_FLEET_COUNTER_URL": "redis://127.0.0.1:6379/13",
     "CAPS_FLEET_PREFIX": "tfleet-",
     "CAPS_FLEET_LEASE": "5",
-    "CAPS_FLEET_RENEW": None,
     "CAPS_FLEET_BACKOFF_MIN": "0.05",
     "CAPS_FLEET_BACKOFF_MAX": "1.0",
     "CAPS_FLEET_MAX_WAIT": None,
-    "CAPS_FLEET_DISPATCH_LEASE": None,  # None: the lease
     "CAPS_FLEET_PREFETCH": "1",  # worker_prefetch_multiplier (Celery's default is 4)
     "CAPS_FLEET_ROUTES": None,  # task_routes, as JSON ({"fleet.hold": "<queue>"})
     "CAPS_FLEET_CONF": None,  # more Celery settings, as JSON ({"task_acks_late": false}), applied last
@@ -239,9 +237,7 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
     }
     optional = {
         "caps_url": "CAPS_FLEET_CAPS_URL",
-        "caps_renew_seconds": "CAPS_FLEET_RENEW",
         "caps_max_wait_seconds": "CAPS_FLEET_MAX_WAIT",
-        "caps_dispatch_lease_seconds": "CAPS_FLEET_DISPATCH_LEASE",
         "caps_on_store_error": "CAPS_FLEET_ON_STORE_ERROR",
         "caps_on_lease_lost": "CAPS_FLEET_ON_LEASE_LOST",
     }

@@ -27,12 +27,12 @@ TENANT_LIMIT = 2
 TASKS = 300
 WORKERS = 3
 CONCURRENCY = 4
-#: Longer than the outage's effect on a renewed lease: renewals every 2 s, so a lease
-#: renewed just before the cut still has ~18 s when the store returns after 12 s.
-LEASE_SECONDS = 20.0
-RENEW_SECONDS = 2.0
+#: Longer than the outage's effect on a renewed lease: renewals every third of the lease (8 s),
+#: and every second after a failed one, so a lease renewed just before the cut still has ~16 s
+#: when the store returns after 12 s, and is renewed within a second of its return.
+LEASE_SECONDS = 24.0
 OUTAGE_SECONDS = 12.0
-LONG_TASK_SECONDS = 22.0
+LONG_TASK_SECONDS = 26.0
 #: A run admitted just before the cut may record its start a moment later.
 START_GRACE_SECONDS = 1.0
 
@@ -47,7 +47,6 @@ def test_store_outage_runs_nothing_uncapped_loses_nothing_and_recovers(
         provider_limit=PROVIDER_LIMIT,
         tenant_limit=TENANT_LIMIT,
         lease=LEASE_SECONDS,
-        renew=RENEW_SECONDS,
         backoff_min=0.05,
         backoff_max=1.0,
     )

@@ -235,7 +235,7 @@ def test_a_task_sent_while_no_worker_runs_holds_its_slot_until_its_dispatch_expi
         broker=require_service("redis"),
         caps_url=require_service("postgres"),
         strategy="park",
-        dispatch_lease=1,
+        lease=1,
     )
     scope = uuid.uuid4().hex[:16]
     hold = fleet.app.tasks["fleet.hold"]
@@ -575,11 +575,10 @@ def test_a_waiter_past_its_max_wait_gives_up_with_the_named_error_even_when_a_pu
 ) -> None:
     redis_url = require_service("redis")
     caps_url = f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else require_service(store)
-    # A dispatch lease of 2 s: a readmit whose copy is lost is readmitted again that soon.
+    # A lease of 2 s, and so a dispatch of 2 s: a readmit whose copy is lost is readmitted again that soon.
     fleet = make_fleet(
         conf=PARK_ON_PUBLISH,
-        broker=redis_url, backend=redis_url, caps_url=caps_url, strategy="park", lease=30, max_wait=1,
-        dispatch_lease=2,
+        broker=redis_url, backend=redis_url, caps_url=caps_url, strategy="park", lease=2, max_wait=1,
     )  # fmt: skip
     scope = uuid.uuid4().hex[:16]
     slot = fleet.slot(f"one:{scope}")
@@ -831,10 +830,11 @@ def test_under_celerys_default_prefetch_no_task_runs_twice_even_longer_than_its_
     make_fleet: FleetFactory, broker: str
 ) -> None:
     # Woken copies wait in prefetch buffers behind running tasks for longer than their dispatch
-    # (0.5 s here; 30 s by default against tasks longer than that): recovery dispatches them again.
+    # (a lease: 1 s here; 30 s by default against tasks longer than that): recovery dispatches
+    # them again.
     fleet = make_fleet(
         broker=require_service(broker), caps_url=require_service("postgres"), tenant_limit=1, strategy="park",
-        prefetch=4, dispatch_lease=0.5,
+        prefetch=4, lease=1,
     )  # fmt: skip
     fleet.start(3, concurrency=1)
 
