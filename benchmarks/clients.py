@@ -32,9 +32,10 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 
-from celery_caps.stores.base import SlotStore, store_from_url
+from celery_caps.stores import store_from_url
+from celery_caps.stores.base import ParkingStore, SlotStore
 from celery_caps.stores.redis import RedisStore
-from celery_caps.stores.sqlalchemy import SQLAlchemyStore, concurrency_slots
+from celery_caps.stores.sql import SQLStore, concurrency_slots
 
 from .common import bench_database_url, percentile, reachable, service_url
 
@@ -72,7 +73,7 @@ class StoreTarget:
         if kind == "roundtrip" and self.kind == "redis":
             return PingAdapter(self.urls[variant])
         store = self.open(variant)
-        assert isinstance(store, SQLAlchemyStore)
+        assert isinstance(store, SQLStore)
         if kind == "roundtrip":
             return SelectOneAdapter(store, through_sqlalchemy=False)
         if kind == "roundtrip-sa":
@@ -88,7 +89,7 @@ class StoreTarget:
         for variant in self.urls:
             store = self.open(variant)
             try:
-                if isinstance(store, SQLAlchemyStore):
+                if isinstance(store, SQLStore):
                     store.create_schema()
                     naive = NaiveSqlAdapter(store, raw=False)
                     naive.create_schema()
@@ -113,7 +114,7 @@ class StoreTarget:
                     client.close()
                 continue
             store = self.open(variant)
-            assert isinstance(store, SQLAlchemyStore)
+            assert isinstance(store, SQLStore)
             with store.engine.begin() as connection:
                 table = concurrency_slots
                 connection.execute(table.delete().where(table.c.slot.like(_name(store, f"{self.run_prefix}%"))))
@@ -161,7 +162,7 @@ def populate_slot_names(target: StoreTarget, variant: str, names: list[str], lim
         return
     store = target.open(variant)
     try:
-        if isinstance(store, SQLAlchemyStore):
+        if isinstance(store, SQLStore):
             store.create_schema()
             expires = time.time() + 3600
             empty = _name(store, "")
@@ -187,9 +188,9 @@ def populate_slot_names(target: StoreTarget, variant: str, names: list[str], lim
         store.close()
 
 
-def _name(store: SQLAlchemyStore, text: str) -> Any:
+def _name(store: SQLStore, text: str) -> Any:
     """A name column's value: MySQL's columns are VARBINARY (bytes), the others text."""
-    return text.encode() if store.dialect == "mysql" else text
+    return store.dialect.exact(text)
 
 
 def populate_leases(target: StoreTarget, variant: str, slot: str, task_ids: list[str], limit: int) -> None:
@@ -200,7 +201,7 @@ def populate_leases(target: StoreTarget, variant: str, slot: str, task_ids: list
     """
     store = target.open(variant)
     try:
-        if isinstance(store, SQLAlchemyStore):
+        if isinstance(store, SQLStore):
             first = task_ids[0]
             if not store.acquire({slot: limit}, first, first, "bench", 3600).granted:
                 raise RuntimeError(f"{target.name}: {slot} refused a lease while populating")
@@ -273,7 +274,7 @@ class PingAdapter(Adapter):
 class SelectOneAdapter(Adapter):
     """``SELECT 1``: on an autocommit driver connection, or in a SQLAlchemy ``engine.begin()``."""
 
-    def __init__(self, store: SQLAlchemyStore, *, through_sqlalchemy: bool) -> None:
+    def __init__(self, store: SQLStore, *, through_sqlalchemy: bool) -> None:
         self.store = store
         self.engine = store.engine
         self.through_sqlalchemy = through_sqlalchemy
@@ -332,7 +333,7 @@ class NaiveSqlAdapter(Adapter):
     row (SQLite has no row locks: ``BEGIN IMMEDIATE`` locks the database).
     """
 
-    def __init__(self, store: SQLAlchemyStore, *, raw: bool) -> None:
+    def __init__(self, store: SQLStore, *, raw: bool) -> None:
         self.store = store
         self.engine = store.engine
         self.dialect = "mysql" if self.engine.dialect.name == "mariadb" else self.engine.dialect.name
@@ -780,7 +781,7 @@ def drop_slots(caps_url: str, prefix: str) -> None:
     their dispatch leases), stray leases (``release``), then the sentinels."""
     store = store_from_url(caps_url)
     try:
-        if store.supports_parking:
+        if isinstance(store, ParkingStore):
             for task_id in sorted({waiter.task_id for waiter in store.waiters() if waiter.slot.startswith(prefix)}):
                 store.forget(task_id, 1.0)
         for run_id in sorted({lease.run_id for lease in store.leases() if lease.slot.startswith(prefix)}):
@@ -790,7 +791,7 @@ def drop_slots(caps_url: str, prefix: str) -> None:
             for name, _ in store.client.hscan_iter(limits, match=f"{prefix}*"):
                 store.client.hdel(limits, name)
             return
-        assert isinstance(store, SQLAlchemyStore)
+        assert isinstance(store, SQLStore)
         with store.engine.begin() as connection:
             pattern = _name(store, f"{prefix}%")
             connection.execute(concurrency_slots.delete().where(concurrency_slots.c.slot.like(pattern)))

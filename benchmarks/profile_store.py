@@ -31,7 +31,8 @@ import sqlalchemy as sa
 from sqlalchemy import event
 
 from benchmarks.common import bench_database_url, percentile, service_url
-from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+from celery_caps.stores import store_from_url
+from celery_caps.stores.sql import SQLStore
 
 SERVICES = {"postgresql": "postgres", "mariadb": "mysql"}
 
@@ -72,7 +73,8 @@ class Probe:
 
 def breakdown(store_name: str, pairs: int, quiet: bool, use_pyinstrument: bool) -> None:
     url = bench_database_url(service_url(SERVICES[store_name]), "main")
-    store = SQLAlchemyStore(url)
+    store = store_from_url(url)  # PostgreSQL's is the store with its functions
+    assert isinstance(store, SQLStore)
     # Under py-spy (quiet) the probe's listeners would show up in the profile.
     probe = None if quiet else Probe(store.engine)
     slot = f"profile-{uuid.uuid4().hex[:8]}"
@@ -140,24 +142,17 @@ def raw_floor(pairs: int) -> None:
     """PostgreSQL only: the store's own acquire and release SQL on a bare autocommit psycopg
     connection (no SQLAlchemy), with ``synchronous_commit`` on (the default) and off: the
     difference is the wait for the WAL flush that makes each commit durable."""
-    import re
+    from celery_caps.stores.sql.statements import POSTGRESQL_CALLS
 
-    from celery_caps.stores import sqlalchemy as module
-
-    call = getattr(module, "_CALL_ACQUIRE_FUNCTION", None)
-    release = getattr(module, "_RELEASE_RUN", None)
-    if call is None or release is None:
-        print("raw floor: this celery_caps has no PostgreSQL admission function; skipped")
-        return
     url = bench_database_url(service_url("postgres"), "main")
-    store = SQLAlchemyStore(url)
+    store = store_from_url(url)
+    assert isinstance(store, SQLStore)
     store.acquire({"profile-warm": 4}, "w", "w", "profile", 30)  # creates the schema and function
     store.release("w")
     connection = store.engine.raw_connection().driver_connection
     connection.autocommit = True
     cursor = connection.cursor()
-    to_driver = re.compile(r":(\w+)")
-    call_sql, release_sql = to_driver.sub(r"%(\1)s", call), to_driver.sub(r"%(\1)s", release)
+    call_sql, release_sql = POSTGRESQL_CALLS["acquire"], POSTGRESQL_CALLS["release"]
     slot = f"profile-raw-{uuid.uuid4().hex[:8]}"
     for setting in ("on", "off"):
         cursor.execute(f"SET synchronous_commit = {setting}")

@@ -9,6 +9,7 @@ from .errors import (
     LeaseLost,
     MissingDependencyError,
     StoreError,
+    StoreInputError,
 )
 from .task import CappedTask
 from .worker import warm_up
@@ -23,6 +24,7 @@ __all__ = [
     "LeaseLost",
     "MissingDependencyError",
     "StoreError",
+    "StoreInputError",
     "warm_up",
 ]
 __version__ = "0.1.0"

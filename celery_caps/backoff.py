@@ -134,9 +134,12 @@ def put_back(
     if settings.max_wait_seconds is not None:
         # Come back in time to give up at the deadline rather than long after it.
         countdown = min(countdown, max(settings.max_wait_seconds - (time.time() - first), 0.0) + 0.01)
-    headers = republish_headers(request, deferrals, first)
-    headers[COUNTDOWN_HEADER] = countdown
-    signature = task.signature_from_request(request, args, kwargs, countdown=countdown, headers=headers)
+    signature = task.signature_from_request(
+        request, args, kwargs, countdown=countdown, headers=republish_headers(request, deferrals, first)
+    )
+    # Added after the copy is made (which drops this delivery's own headers, this one among
+    # them): the receiving worker bounds its wait by it, whatever the ETA says.
+    signature.options["headers"][COUNTDOWN_HEADER] = countdown
     waiting = {
         "task_name": task.name,
         "slots": list(slots),

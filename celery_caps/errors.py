@@ -4,7 +4,8 @@ Every error the library raises derives from :class:`CapsError`.  Configuration
 mistakes (a bad ``Cap``, an unknown store URL, a missing ``caps_url``) are
 :class:`ConfigurationError`; a key function misbehaving is :class:`CapKeyError`;
 anything the store's driver raises is wrapped in :class:`StoreError` with the
-driver error chained as ``__cause__``.
+driver error chained as ``__cause__``; an input no store can keep is
+:class:`StoreInputError`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,15 @@ class CapKeyError(CapsError, ValueError):
     """A cap's key function raised, or returned something that is not a usable key."""
 
 
+class StoreInputError(CapsError, ValueError):
+    """A store was asked something it cannot keep (an empty or over-long name, a control
+    character or a lone surrogate, a limit below 1, a lease that is not a finite positive
+    number); the message names the value.  Never a reason to try again: admission fails the
+    task rather than put it back."""
+
+
 class StoreError(CapsError):
-    """The slot store could not be reached or refused an operation.
+    """The slot store could not be reached or failed an operation: try again later.
 
     The driver's own exception is chained (``raise StoreError(...) from exc``);
     the message never contains store credentials.

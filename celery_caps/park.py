@@ -42,6 +42,7 @@ full is passed over, never blocking the ones behind it, so no key starves.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -58,16 +59,14 @@ from kombu.entity import Exchange, Queue
 from kombu.serialization import dumps, loads
 
 from .caps import slots_for
-from .errors import CapWaitExceeded, StoreError
+from .errors import CapWaitExceeded, StoreError, StoreInputError
 from .settings import PARK, CapsSettings
 from .stores.base import (
     DISPATCH_HOLDER,
-    PARK_ADMITTED,
-    PARK_FULL,
-    PARK_LIST_FULL,
-    PARK_PARKED,
-    PARK_WAITING,
     ClaimOutcome,
+    ParkingStore,
+    ParkOutcome,
+    ParkRequest,
     SlotStore,
     Woken,
 )
@@ -105,9 +104,16 @@ def dispatch_lease_seconds(runtime: CapsContext) -> float:
     return runtime.settings.dispatch_lease_seconds
 
 
+def parking_store(runtime: CapsContext) -> ParkingStore | None:
+    """The runtime's store if releases hand freed room to waiters (park in use, a store that
+    parks), else None."""
+    store = runtime.store
+    return store if runtime.settings.parking.uses_park and isinstance(store, ParkingStore) else None
+
+
 def parks(runtime: CapsContext) -> bool:
     """Whether releases in this runtime hand freed room to waiters (park in use, a store that parks)."""
-    return runtime.settings.parking.uses_park and runtime.store.supports_parking
+    return parking_store(runtime) is not None
 
 
 # -- 1. arrival ---------------------------------------------------------------------
@@ -158,7 +164,7 @@ class Decision:
 
 
 def decide(
-    store: SlotStore,
+    store: ParkingStore,
     arrival: Arrival,
     new_run_id: str,
     payload: Callable[[], bytes],
@@ -186,28 +192,26 @@ def decide(
         if claimed is ClaimOutcome.END:
             return Decision(Verdict.ANSWERED)
 
-    def park(message: bytes | None) -> str:
-        return store.park(
-            arrival.slots, arrival.task_id, new_run_id, arrival.holder, lease_seconds, payload=message,
-            first_deferred_at=arrival.first_deferred_at, max_waiters=max_waiters, task_name=arrival.task_name,
-        )  # fmt: skip
-
-    outcome = park(None)
-    if outcome == PARK_FULL:
+    request = ParkRequest(
+        arrival.slots, arrival.task_id, new_run_id, arrival.holder, lease_seconds, arrival.first_deferred_at,
+        max_waiters, arrival.task_name,
+    )  # fmt: skip
+    outcome = store.park(request)
+    if outcome is ParkOutcome.FULL:
         waited = (time.time() if now is None else now) - arrival.first_deferred_at
         if max_wait_seconds is not None and waited >= max_wait_seconds:
             return Decision(Verdict.GAVE_UP)
         message = payload()
         if len(message) > max_payload_bytes:
             return Decision(Verdict.TOO_LARGE)
-        outcome = park(message)
-    if outcome == PARK_ADMITTED:
+        outcome = store.park(dataclasses.replace(request, payload=message))
+    if outcome is ParkOutcome.ADMITTED:
         return Decision(Verdict.RUN, new_run_id)
-    if outcome == PARK_PARKED:
+    if outcome is ParkOutcome.PARKED:
         return Decision(Verdict.PARKED)
-    if outcome == PARK_WAITING:
+    if outcome is ParkOutcome.WAITING:
         return Decision(Verdict.ANSWERED)
-    if outcome == PARK_LIST_FULL:
+    if outcome is ParkOutcome.LIST_FULL:
         return Decision(Verdict.LIST_FULL)
     raise AssertionError(f"unexpected park outcome {outcome!r}")  # pragma: no cover - the contract's outcomes
 
@@ -232,6 +236,8 @@ def admit(
 
     settings = runtime.settings
     parking = settings.parking
+    store = runtime.store
+    assert isinstance(store, ParkingStore)  # the caller chose park: its store has a waiting list
     deferrals = backoff.deferrals_of(request)
     first_deferred_at = backoff.first_deferred_at(request) or time.time()
     dispatch = backoff.header(request, DISPATCH_HEADER)
@@ -266,7 +272,7 @@ def admit(
     while True:
         try:
             decision = decide(
-                runtime.store, arrival, run_id, payload, lease_seconds=settings.lease_seconds,
+                store, arrival, run_id, payload, lease_seconds=settings.lease_seconds,
                 max_waiters=parking.max_waiters, max_payload_bytes=parking.max_payload_bytes,
                 max_wait_seconds=settings.max_wait_seconds,
             )  # fmt: skip
@@ -372,7 +378,7 @@ def admit_when_sent(
         if not (parking.on_publish and parking.strategy_for(task._caps) == PARK):
             return send_as_usual
         store = runtime.store
-        if not store.supports_parking:
+        if not isinstance(store, ParkingStore):
             return send_as_usual
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         slots = slots_for(task._caps, args, kwargs)
@@ -412,17 +418,20 @@ def admit_when_sent(
     run_id = uuid.uuid4().hex
     try:
         outcome = store.park(
-            slots, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds(runtime),
-            payload=payload, first_deferred_at=first_deferred_at, max_waiters=parking.max_waiters,
-            task_name=task.name,
+            ParkRequest(
+                slots, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds(runtime), first_deferred_at,
+                parking.max_waiters, task.name, payload,
+            )
         )  # fmt: skip
+    except StoreInputError:
+        return send_as_usual  # a bad key or id: the worker reports it, failing the task
     except StoreError as exc:
         logger.warning("%s[%s] sent to the broker: could not check its slots (%s)", task.name, task_id, exc)
         return Sent(task_id)
-    if outcome == PARK_ADMITTED:
+    if outcome is ParkOutcome.ADMITTED:
         logger.debug("%s[%s] took %s when sent", task.name, task_id, ", ".join(slots))
         return Sent(task_id, dispatch_run_id=run_id)
-    if outcome != PARK_PARKED:
+    if outcome is not ParkOutcome.PARKED:
         return Sent(task_id)  # room, not taken (or the waiting list is full): the broker it is
     logger.debug("%s[%s] parked when sent: %s full", task.name, task_id, ", ".join(slots))
     runtime.metrics.deferred(list(slots), "parked")
@@ -547,9 +556,10 @@ def release(runtime: CapsContext, run_id: str) -> int:
 
     Returns the leases deleted.  Raises :class:`StoreError` like ``SlotStore.release``.
     """
-    if not parks(runtime):
+    store = parking_store(runtime)
+    if store is None:
         return runtime.store.release(run_id)
-    deleted, woken = runtime.store.release_and_wake(run_id, dispatch_lease_seconds(runtime))
+    deleted, woken = store.release_and_wake(run_id, dispatch_lease_seconds(runtime))
     publish_woken(runtime.app, woken)
     return deleted
 
@@ -557,9 +567,10 @@ def release(runtime: CapsContext, run_id: str) -> int:
 def release_holder(runtime: CapsContext, task_id: str, holder: str) -> int:
     """Release what ``holder`` (a dead pool process) held for ``task_id``; with park in use,
     hand the room to waiters and publish them.  Returns the leases deleted."""
-    if not parks(runtime):
+    store = parking_store(runtime)
+    if store is None:
         return runtime.store.release_holder(task_id, holder)
-    deleted, woken = runtime.store.release_holder_and_wake(task_id, holder, dispatch_lease_seconds(runtime))
+    deleted, woken = store.release_holder_and_wake(task_id, holder, dispatch_lease_seconds(runtime))
     publish_woken(runtime.app, woken)
     return deleted
 
@@ -567,9 +578,10 @@ def release_holder(runtime: CapsContext, task_id: str, holder: str) -> int:
 def release_task(runtime: CapsContext, task_id: str) -> int:
     """Release every lease of ``task_id`` (revoke); with park in use, hand the room to waiters
     and publish them.  Returns the leases deleted."""
-    if not parks(runtime):
+    store = parking_store(runtime)
+    if store is None:
         return runtime.store.release_task(task_id)
-    deleted, woken = runtime.store.release_task_and_wake(task_id, dispatch_lease_seconds(runtime))
+    deleted, woken = store.release_task_and_wake(task_id, dispatch_lease_seconds(runtime))
     publish_woken(runtime.app, woken)
     return deleted
 
@@ -577,9 +589,10 @@ def release_task(runtime: CapsContext, task_id: str) -> int:
 def forget(runtime: CapsContext, task_id: str) -> int:
     """``task_id`` is not to run (revoked, expired): take it off the waiting list, free its
     dispatch leases for the next waiters and publish them.  Returns the entries removed."""
-    if not runtime.store.supports_parking:
+    store = runtime.store
+    if not isinstance(store, ParkingStore):
         return 0
-    removed, woken = runtime.store.forget(task_id, dispatch_lease_seconds(runtime))
+    removed, woken = store.forget(task_id, dispatch_lease_seconds(runtime))
     publish_woken(runtime.app, woken)
     return removed
 
@@ -602,13 +615,14 @@ def recover(runtime: CapsContext, caps: Collection[str] | None = None) -> list[W
     Raises:
         StoreError: the store failed (the next call tries again).
     """
-    if not parks(runtime):
+    store = parking_store(runtime)
+    if store is None:
         return []
     caps = caps_of(runtime.app) if caps is None else caps
     if not caps:
         return []
     max_wait = runtime.settings.max_wait_seconds
-    woken = runtime.store.recover(
+    woken = store.recover(
         dispatch_lease_seconds(runtime),
         caps=sorted(caps),
         readmit_before=None if max_wait is None else time.time() - max_wait,
@@ -619,14 +633,17 @@ def recover(runtime: CapsContext, caps: Collection[str] | None = None) -> list[W
 def readmit(runtime: CapsContext, slot: str) -> tuple[int, list[Woken]]:
     """An operator empties ``slot``'s waiting list: its waiters are published to go through
     admission again.  Returns how many were taken off and those published."""
-    woken = runtime.store.readmit(slot, dispatch_lease_seconds(runtime))
+    store = runtime.store
+    if not isinstance(store, ParkingStore):
+        return 0, []
+    woken = store.readmit(slot, dispatch_lease_seconds(runtime))
     return len(woken), publish_woken(runtime.app, woken)
 
 
 def check_store(app: Celery, store: SlotStore) -> None:
     """At worker start: warn when park is chosen but the store cannot park (backoff is used)."""
     settings = CapsSettings.from_conf(app.conf).parking
-    if settings.uses_park and not store.supports_parking:
+    if settings.uses_park and not isinstance(store, ParkingStore):
         logger.warning(
             "caps_strategy chooses park, but the slot store %s has no waiting list: capped tasks "
             "are put back with backoff instead",

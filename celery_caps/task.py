@@ -35,6 +35,7 @@ from . import backoff, park
 from .caps import Cap, normalize_caps, slots_for
 from .errors import CapWaitExceeded, LeaseLost, StoreError
 from .settings import PARK
+from .stores.base import ParkingStore
 from .worker import CapsRuntime, holder_name, runtime_for
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class CappedTask(Task):  # type: ignore[misc]
                 runtime.release(run_id)
 
     def _parks(self, runtime: CapsRuntime) -> bool:
-        return runtime.settings.parking.strategy_for(self._caps) == PARK and runtime.store.supports_parking
+        return runtime.settings.parking.strategy_for(self._caps) == PARK and isinstance(runtime.store, ParkingStore)
 
     def _give_back_when_killed(
         self, runtime: CapsRuntime, request: Any, runs_before: set[str], exc: BaseException

@@ -39,7 +39,8 @@ from .errors import LeaseLost, StoreError
 from .history import HistoryRecorder
 from .metrics import metrics_for
 from .settings import CapsSettings
-from .stores.base import Admission, HistoryEvent, SlotStore, store_from_url
+from .stores import store_from_url
+from .stores.base import Admission, HistoryEvent, ParkingStore, SlotStore
 from .stores.base import green_threads as _green_threads
 
 if TYPE_CHECKING:
@@ -727,7 +728,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 "prefork children and other workers do not share it. Use a SQL or Redis store for a fleet."
             )
         logger.info("celery-caps: %d capped task(s) use the slot store %s", len(capped), display)
-        if settings.parking.uses_park and store.supports_parking:
+        if settings.parking.uses_park and isinstance(store, ParkingStore):
             try:
                 durability = store.durability_warning()
             except StoreError as exc:

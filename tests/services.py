@@ -37,7 +37,8 @@ from urllib.parse import unquote, urlsplit
 import pytest
 import sqlalchemy as sa
 
-from celery_caps.stores.base import SlotStatus, SlotStore, mask_url, store_from_url
+from celery_caps.stores import store_from_url
+from celery_caps.stores.base import SlotStatus, SlotStore, mask_url
 
 #: Set to ``1`` (CI) to fail, rather than skip, a test whose service is missing.
 REQUIRE_SERVICES_VARIABLE = "CAPS_REQUIRE_SERVICES"
@@ -237,9 +238,9 @@ def delete_own_rows(target: StoreTarget, store: SlotStore, prefix: str) -> None:
     elif target.kind.shared:
         # Every row of a test (sentinels and leases) carries one of its slot names;
         # the prefix is letters, digits and '-', nothing LIKE would interpret.
-        from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+        from celery_caps.stores.sql import SQLStore
 
-        assert isinstance(store, SQLAlchemyStore)
+        assert isinstance(store, SQLStore)
         assert prefix.replace("-", "").isalnum()
         if not sa.inspect(store.engine).has_table("concurrency_slots"):
             return  # a test that never used its store (skipped, say) on a fresh database

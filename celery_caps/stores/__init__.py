@@ -1,0 +1,89 @@
+"""The slot stores, and choosing one from ``caps_url``.
+
+A store is picked by the URL's scheme from a registry (:func:`register_store`), so that
+``base.py`` knows no store and a custom store can take a scheme of its own; a ready
+SQLAlchemy ``Engine``, redis-py client or :class:`~celery_caps.stores.base.SlotStore`
+is accepted too.  Stores are imported when first chosen: a missing driver is a
+:class:`~celery_caps.errors.MissingDependencyError` naming the extra to install.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ConfigurationError, MissingDependencyError
+from .base import SlotStore, mask_url
+
+#: Builds a store from ``caps_url`` (a URL or a ready object) and ``caps_create_schema``.
+StoreFactory = Callable[[Any, bool], SlotStore]
+
+#: URL scheme (before any ``+driver``) -> the factory of its store.
+_SCHEMES: dict[str, StoreFactory] = {}
+
+
+def register_store(scheme: str, factory: StoreFactory) -> None:
+    """Make ``caps_url = "<scheme>://..."`` build its store with ``factory(url, create_schema)``."""
+    _SCHEMES[scheme.lower()] = factory
+
+
+def store_from_url(target: Any, *, create_schema: bool = True) -> SlotStore:
+    """Build a store from ``caps_url``: a URL, a ready SQLAlchemy ``Engine``, a redis-py
+    client, or a :class:`SlotStore` instance (returned as is).
+
+    ``create_schema`` tells the SQL store whether to create its tables on first use.
+
+    Raises:
+        ConfigurationError: an unknown scheme or driver, or an unsupported object (the
+            message names it, never the credentials).
+        MissingDependencyError: the store needs an extra that is not installed.
+    """
+    if isinstance(target, SlotStore):
+        return target
+    if isinstance(target, str):
+        scheme = target.split("://", 1)[0].lower() if "://" in target else ""
+        factory = _SCHEMES.get(scheme.split("+", 1)[0]) or _SCHEMES.get(scheme)
+        if factory is None:
+            raise ConfigurationError(
+                f"caps_url {mask_url(target)!r}: unknown store scheme {scheme or '(none)'!r}; use "
+                f"{', '.join(f'{name}://' for name in sorted(_SCHEMES))} (for example sqlite:////abs/path/caps.db, "
+                "postgresql+psycopg://..., mysql+pymysql://..., redis://...)"
+            )
+        return factory(target, create_schema)
+    type_name = f"{type(target).__module__}.{type(target).__qualname__}"
+    if type_name.startswith("sqlalchemy.") and hasattr(target, "dialect"):
+        return _sql_store(target, create_schema)
+    if type_name.startswith("redis."):
+        return _redis_store(target, create_schema)
+    raise ConfigurationError(
+        f"caps_url must be a store URL, a SQLAlchemy Engine, a redis client or a SlotStore, got {type_name}"
+    )
+
+
+def _memory_store(target: Any, create_schema: bool) -> SlotStore:
+    from .memory import MemoryStore
+
+    return MemoryStore()
+
+
+def _sql_store(target: Any, create_schema: bool) -> SlotStore:
+    from .sql import sql_store
+
+    return sql_store(target, create_schema=create_schema)
+
+
+def _redis_store(target: Any, create_schema: bool) -> SlotStore:
+    try:
+        from .redis import RedisStore
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f'the Redis store needs redis-py: pip install "celery-caps[redis]" ({exc})'
+        ) from exc
+    return RedisStore(target)
+
+
+register_store("memory", _memory_store)
+for _scheme in ("sqlite", "postgresql", "postgres", "mysql", "mariadb"):
+    register_store(_scheme, _sql_store)
+for _scheme in ("redis", "rediss", "redis+unix", "unix"):
+    register_store(_scheme, _redis_store)

@@ -41,7 +41,7 @@ the store cannot be reached.  Pass an instance as ``caps_url``.
 
 Parking (optional)
 ------------------
-A store that sets :attr:`SlotStore.supports_parking` also keeps a *waiting list*:
+A :class:`ParkingStore` also keeps a *waiting list*:
 tasks that found their slots full wait there (an opaque payload that publishes the
 task again) instead of going back to the broker, and a release hands freed slots
 directly to the oldest waiters.  Each task id has at most one *entry*, in one of
@@ -103,12 +103,14 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Collection, Mapping, Sequence
+import functools
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from ..errors import ConfigurationError, MissingDependencyError
+from ..errors import StoreError, StoreInputError
+from . import checks
 
 
 @dataclass(frozen=True)
@@ -223,18 +225,44 @@ class Waiter:
 #: The holder of a dispatch lease until the dispatched task claims it.
 DISPATCH_HOLDER = "caps-dispatch"
 
-#: ``park`` outcomes.  Admitted: every slot had room, the leases are taken.
-PARK_ADMITTED = "admitted"
-#: Parked: the task waits in the list now.
-PARK_PARKED = "parked"
-#: The task id waits already (waiting or dispatched): nothing changed; the list answers for it.
-PARK_WAITING = "waiting"
-#: A slot's waiting list holds ``max_waiters`` already: nothing stored.
-PARK_LIST_FULL = "waitlist_full"
-#: A slot is full and no payload was given: nothing stored (the caller parks with one).
-PARK_FULL = "full"
-#: ``park(admit=False)``: every slot has room; nothing was taken or stored.
-PARK_ROOM = "room"
+
+class ParkOutcome(enum.Enum):
+    """What :meth:`ParkingStore.park` did."""
+
+    #: Every slot had room: the leases are taken.
+    ADMITTED = "admitted"
+    #: The task waits in the list now.
+    PARKED = "parked"
+    #: The task id waits already (waiting or dispatched): nothing changed; the list answers for it.
+    WAITING = "waiting"
+    #: A slot's waiting list holds ``max_waiters`` already: nothing stored.
+    LIST_FULL = "waitlist_full"
+    #: A slot is full and the request has no payload: nothing stored (the caller parks with one).
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class ParkRequest:
+    """What :meth:`ParkingStore.park` is asked: admit a run of a task, or park the task."""
+
+    #: Slot name -> limit.
+    slots: Mapping[str, int]
+    task_id: str
+    #: The run the leases are taken for, if admitted.
+    run_id: str
+    #: Who would run it (``"<node>/<pid>"``, or :data:`DISPATCH_HOLDER` for a task taking its
+    #: slots as it is sent).
+    holder: str
+    #: The leases' length, if admitted, in seconds.
+    lease_seconds: float
+    #: When the task was first deferred (epoch seconds): its place in the waiting list.
+    first_deferred_at: float
+    #: A slot whose list holds this many waiters parks no more.
+    max_waiters: int
+    task_name: str | None = None
+    #: The message that publishes the task again; None: admit if there is room, else park nothing.
+    payload: bytes | None = None
+
 
 #: Seconds a claimed entry that was dispatched more than once stays as a tombstone, so that
 #: copies of its earlier dispatches still on their way end rather than run it again.
@@ -245,8 +273,173 @@ DONE_SECONDS = 3600.0
 HISTORY_KINDS = ("deferred", "ran")
 
 
+def _no_check(*args: Any, **kwargs: Any) -> None:
+    """Methods without arguments to check (their errors are still wrapped)."""
+
+
+def _check_park(request: ParkRequest) -> None:
+    checks.admission(request.slots, request.task_id, request.run_id, request.holder, request.lease_seconds)
+    checks.seconds("first_deferred_at", request.first_deferred_at, positive=False)
+    checks.count("max_waiters", request.max_waiters)
+    if request.payload is not None and not isinstance(request.payload, bytes):
+        raise StoreInputError(f"payload must be bytes or None, got {type(request.payload).__name__}")
+
+
+def _check_recover(dispatch_lease_seconds: float, *, caps: Any = None, readmit_before: Any = None) -> None:
+    checks.seconds("dispatch_lease_seconds", dispatch_lease_seconds)
+    if caps is not None:
+        checks.names("caps", caps, checks.slot)
+    if readmit_before is not None:
+        checks.seconds("readmit_before", readmit_before, positive=False)
+
+
+def _check_renew(run_ids: Collection[str], lease_seconds: float) -> None:
+    checks.names("run_ids", run_ids)
+    checks.seconds("lease_seconds", lease_seconds)
+
+
+def _check_run(run_id: str) -> None:
+    checks.text("run_id", run_id)
+
+
+def _check_task(task_id: str) -> None:
+    checks.text("task_id", task_id)
+
+
+def _check_holder(task_id: str, holder: str) -> None:
+    checks.text("task_id", task_id)
+    checks.text("holder", holder)
+
+
+def _check_slot_filter(slot: str | None = None) -> None:
+    checks.optional_text("slot", slot)
+
+
+def _check_prune(prefix: str, *, dry_run: bool = False) -> None:
+    checks.slot("prefix", prefix)
+
+
+def _check_record_history(events: Sequence[HistoryEvent], keep_seconds: float, max_events: int) -> None:
+    checks.history_events(events)
+    checks.seconds("keep_seconds", keep_seconds)
+    checks.count("max_events", max_events)
+
+
+def _check_history(since: float, task_id: str | None = None) -> None:
+    checks.seconds("since", since, positive=False)
+    if task_id is not None:
+        checks.text("task_id", task_id)
+
+
+def _check_run_and_wake(run_id: str, dispatch_lease_seconds: float) -> None:
+    checks.text("run_id", run_id)
+    checks.seconds("dispatch_lease_seconds", dispatch_lease_seconds)
+
+
+def _check_holder_and_wake(task_id: str, holder: str, dispatch_lease_seconds: float) -> None:
+    _check_holder(task_id, holder)
+    checks.seconds("dispatch_lease_seconds", dispatch_lease_seconds)
+
+
+def _check_task_and_wake(task_id: str, dispatch_lease_seconds: float) -> None:
+    checks.text("task_id", task_id)
+    checks.seconds("dispatch_lease_seconds", dispatch_lease_seconds)
+
+
+def _check_claim(task_id: str, run_id: str, holder: str, lease_seconds: float, *, redelivered: bool = False) -> None:
+    checks.admission({}, task_id, run_id, holder, lease_seconds)
+
+
+def _check_readmit(slot: str, dispatch_lease_seconds: float) -> None:
+    checks.slot("slot", slot)
+    checks.seconds("dispatch_lease_seconds", dispatch_lease_seconds)
+
+
+#: Contract method -> the check of its arguments (called with them, ``self`` left out).
+_CHECKS: dict[str, Callable[..., None]] = {
+    "acquire": checks.admission,
+    "renew": _check_renew,
+    "release": _check_run,
+    "release_holder": _check_holder,
+    "release_task": _check_task,
+    "sweep": _no_check,
+    "status": _no_check,
+    "leases": _check_slot_filter,
+    "prune": _check_prune,
+    "record_history": _check_record_history,
+    "history": _check_history,
+    "park": _check_park,
+    "release_and_wake": _check_run_and_wake,
+    "release_holder_and_wake": _check_holder_and_wake,
+    "release_task_and_wake": _check_task_and_wake,
+    "claim": _check_claim,
+    "forget": _check_task_and_wake,
+    "recover": _check_recover,
+    "readmit": _check_readmit,
+    "waiters": _check_slot_filter,
+    "warm_up": _no_check,
+    "durability_warning": _no_check,
+}
+
+
+def _guarded(name: str, method: Callable[..., Any], check: Callable[..., None]) -> Callable[..., Any]:
+    """``method``, its arguments checked first and its driver's errors wrapped (see :class:`SlotStore`)."""
+
+    @functools.wraps(method)
+    def guarded(self: SlotStore, *args: Any, **kwargs: Any) -> Any:
+        check(*args, **kwargs)
+        if name in ("acquire", "park"):
+            slots = args[0].slots if name == "park" and args else args[0] if args else kwargs.get("slots")
+            if slots is not None and not slots:  # nothing to limit: granted, as on every store
+                return Admission(True) if name == "acquire" else ParkOutcome.ADMITTED
+        try:
+            return method(self, *args, **kwargs)
+        except self.driver_errors as exc:
+            raise self.store_error(name, exc) from exc
+
+    return guarded
+
+
 class SlotStore(abc.ABC):
-    """What a slot store must do; see the module docstring for the rules."""
+    """What a slot store must do; see the module docstring for the rules.
+
+    Every contract method a subclass defines is wrapped once, when the subclass is created
+    (``__init_subclass__``): the input is checked first (:mod:`celery_caps.stores.checks`:
+    :class:`StoreInputError` naming the value, the same on every store), an admission of
+    no slot at all is granted without a store call, and an error of the store's driver
+    (:attr:`driver_errors`) becomes a :class:`StoreError` whose message names the store
+    by :attr:`display_url` and holds none of its secrets.
+    """
+
+    #: The exceptions of the store's driver that mean "the store failed"; wrapped in StoreError.
+    driver_errors: tuple[type[BaseException], ...] = ()
+
+    @property
+    def display_url(self) -> str:
+        """Where the store lives, safe to log (no password)."""
+        return type(self).__name__
+
+    def secrets(self) -> Sequence[str]:
+        """Strings never to show in a message (a password)."""
+        return ()
+
+    def store_error(self, operation: str, exc: BaseException) -> StoreError:
+        """The :class:`StoreError` for ``exc``, an error of the driver during ``operation``: it
+        names the store by :attr:`display_url` and the driver's own error (SQLAlchemy's
+        ``orig``), never a secret."""
+        reason = getattr(exc, "orig", None) or exc
+        message = f"{operation} failed on {self.display_url}: {type(reason).__name__}: {reason}"
+        for secret in self.secrets():
+            if secret:
+                message = message.replace(secret, "***")
+        return StoreError(message)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, check in _CHECKS.items():
+            method = cls.__dict__.get(name)
+            if method is not None and not getattr(method, "__isabstractmethod__", False):
+                setattr(cls, name, _guarded(name, method, check))
 
     @abc.abstractmethod
     def acquire(
@@ -322,56 +515,74 @@ class SlotStore(abc.ABC):
     def history(self, since: float, task_id: str | None = None) -> list[HistoryEvent]:
         """History events at or after ``since`` (epoch seconds), of one task id if given, oldest first."""
 
-    # -- parking (optional; see the module docstring) -----------------------------
+    def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
+        """Make the first calls fast: do now what the first call would (check the schema, load
+        scripts) and open connections ahead of use, for ``threads`` threads that will call the
+        store (a pool process: the one that runs its tasks and its background thread) and,
+        with ``renewals``, for the lease renewals.  Called off the hot path, when a pool
+        process starts; a store with nothing to prepare does nothing.
 
-    #: Whether this store implements the waiting list (``park`` and the methods below).
-    supports_parking = False
+        Raises:
+            StoreError: the store cannot be reached (the first real call tries again).
+        """
+
+    def durability_warning(self) -> str | None:
+        """What a restart of the store's server would lose, for a worker to warn about at start
+        (a waiting list kept in memory only); None if nothing.
+
+        Raises:
+            StoreError: the store cannot be reached.
+        """
+        return None
+
+    def after_fork(self) -> None:
+        """Called in a child process after fork; drop connections inherited from the parent."""
+
+    def close(self) -> None:
+        """Release connections this store opened (never ones it was handed)."""
+
+
+class ParkingStore(SlotStore):
+    """A store with a waiting list: what the park strategy needs (see the module docstring).
+
+    A store that is only a :class:`SlotStore` serves the backoff strategy; park falls back
+    to backoff on it, with a warning when a worker starts.
+    """
+
     #: How long a tombstone lasts, in seconds (:data:`DONE_SECONDS`; tests shorten it).
     done_seconds: float = DONE_SECONDS
 
-    def park(
-        self,
-        slots: Mapping[str, int],
-        task_id: str,
-        run_id: str,
-        holder: str,
-        lease_seconds: float,
-        *,
-        payload: bytes | None,
-        first_deferred_at: float,
-        max_waiters: int,
-        task_name: str | None = None,
-        admit: bool = True,
-    ) -> str:
+    @abc.abstractmethod
+    def park(self, request: ParkRequest) -> ParkOutcome:
         """Admission for the park strategy, in one atomic step (under the sentinel locks).
 
-        In this order: :data:`PARK_WAITING` if ``task_id`` is waiting or dispatched already
-        (nothing changes); :data:`PARK_ADMITTED` if every slot has room (leases taken for
-        ``run_id``, as ``acquire`` would), or :data:`PARK_ROOM` with ``admit=False`` (a task
-        being sent: nothing taken); :data:`PARK_FULL` if ``payload`` is None (nothing stored);
-        :data:`PARK_LIST_FULL` if a slot's list holds ``max_waiters`` (nothing stored); else
-        :data:`PARK_PARKED`: the task waits, ordered by ``first_deferred_at`` (epoch seconds)
-        then the store's clock.  A tombstone of the task id is replaced.
+        In this order: :attr:`~ParkOutcome.WAITING` if the task id is waiting or dispatched
+        already (nothing changes); :attr:`~ParkOutcome.ADMITTED` if every slot has room (leases
+        taken for the request's run, as ``acquire`` would); :attr:`~ParkOutcome.FULL` if the
+        request has no payload (nothing stored); :attr:`~ParkOutcome.LIST_FULL` if a slot's list
+        holds ``max_waiters`` (nothing stored); else :attr:`~ParkOutcome.PARKED`: the task waits,
+        ordered by ``first_deferred_at`` then the store's clock.  A tombstone of the task id is
+        replaced (its count of dispatches kept).
         """
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
+    @abc.abstractmethod
     def release_and_wake(self, run_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         """``release(run_id)``, then dispatch the waiters its slots can now admit, in one
         transaction.  Returns the leases deleted and the woken waiters (oldest first)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
+    @abc.abstractmethod
     def release_holder_and_wake(
         self, task_id: str, holder: str, dispatch_lease_seconds: float
     ) -> tuple[int, list[Woken]]:
         """``release_holder(task_id, holder)`` (a dead process's leases), then dispatch the
         waiters the freed slots can admit.  Returns the leases deleted and the woken waiters."""
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
+    @abc.abstractmethod
     def release_task_and_wake(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         """``release_task(task_id)`` (revoke), then dispatch the waiters the freed slots can
         admit.  Returns the leases deleted and the woken waiters."""
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
+    @abc.abstractmethod
     def claim(
         self, task_id: str, run_id: str, holder: str, lease_seconds: float, *, redelivered: bool = False
     ) -> ClaimOutcome:
@@ -400,16 +611,16 @@ class SlotStore(abc.ABC):
         So a claim is repeatable by the process that made it: retried with the same arguments,
         it never ends a copy whose first try took the task.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
+    @abc.abstractmethod
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         """``task_id`` is not to run (revoked, expired): a waiting entry is deleted, a dispatched
         one becomes a tombstone (its copy may be on its way); every dispatch lease of the task
         goes (a release's, or one taken when it was sent; never a run's lease); then the waiters
         of the freed slots are dispatched, in one transaction.  Returns the entries removed (0 or
         1) and the woken waiters."""
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
+    @abc.abstractmethod
     def recover(
         self,
         dispatch_lease_seconds: float,
@@ -428,43 +639,16 @@ class SlotStore(abc.ABC):
         the slot named like the cap, or one of its keys' (``"<cap>:<key>"``); so a worker recovers
         the tasks of its own caps, never another app's that shares the store.  (A slot name given
         as a cap name matches that slot.)"""
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
+    @abc.abstractmethod
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
         """Dispatch without leases every waiting (not dispatched) entry of ``slot``, oldest first:
         an operator empties its list (the copies go through admission again)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
 
+    @abc.abstractmethod
     def waiters(self, slot: str | None = None) -> list[Waiter]:
         """The waiting list (of one slot name, if given), by slot then position; tombstones
         are not listed."""
-        raise NotImplementedError(f"{type(self).__name__} does not support parking")
-
-    def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
-        """Make the first calls fast: do now what the first call would (check the schema, load
-        scripts) and open connections ahead of use, for ``threads`` threads that will call the
-        store (a pool process: the one that runs its tasks and its background thread) and,
-        with ``renewals``, for the lease renewals.  Called off the hot path, when a pool
-        process starts; a store with nothing to prepare does nothing.
-
-        Raises:
-            StoreError: the store cannot be reached (the first real call tries again).
-        """
-
-    def durability_warning(self) -> str | None:
-        """What a restart of the store's server would lose, for a worker to warn about at start
-        (a waiting list kept in memory only); None if nothing.
-
-        Raises:
-            StoreError: the store cannot be reached.
-        """
-        return None
-
-    def after_fork(self) -> None:
-        """Called in a child process after fork; drop connections inherited from the parent."""
-
-    def close(self) -> None:
-        """Release connections this store opened (never ones it was handed)."""
 
 
 # Query parameters that carry a secret in some drivers' URLs (``unix://...?password=``).
@@ -500,64 +684,3 @@ def mask_url(url: str) -> str:
         # Replace the query text only: urlunsplit would also rewrite "scheme:///path".
         masked = masked[: masked.index("?") + 1] + query + (f"#{parts.fragment}" if parts.fragment else "")
     return masked
-
-
-_SQL_SCHEMES = ("sqlite", "postgresql", "postgres", "mysql", "mariadb")
-_REDIS_SCHEMES = ("redis", "rediss", "redis+unix", "unix")
-
-
-def store_from_url(target: Any, *, create_schema: bool = True) -> SlotStore:
-    """Build a store from ``caps_url``: a URL, a ready SQLAlchemy ``Engine``, a
-    ``redis.Redis`` client, or a :class:`SlotStore` instance (returned as is).
-
-    Raises:
-        ConfigurationError: unknown scheme or unsupported object (the message
-            names it, never the credentials).
-        MissingDependencyError: the store needs an extra that is not installed.
-
-    ``create_schema`` tells the SQL store whether to create its table on first use.
-    """
-    if isinstance(target, SlotStore):
-        return target
-    if isinstance(target, str):
-        scheme = target.split("://", 1)[0].lower() if "://" in target else ""
-        base_scheme = scheme.split("+", 1)[0]
-        if scheme == "memory":
-            from .memory import MemoryStore
-
-            return MemoryStore()
-        if base_scheme in _SQL_SCHEMES:
-            return _sqlalchemy_store(target, create_schema)
-        if scheme in _REDIS_SCHEMES:
-            return _redis_store(target)
-        raise ConfigurationError(
-            f"caps_url {mask_url(target)!r}: unknown store scheme {scheme or '(none)'!r}; use "
-            "sqlite:///path, postgresql+psycopg://..., mysql+pymysql://..., redis://... or memory://"
-        )
-    type_name = f"{type(target).__module__}.{type(target).__qualname__}"
-    if type_name.startswith("sqlalchemy.") and hasattr(target, "dialect"):
-        return _sqlalchemy_store(target, create_schema)
-    if type_name.startswith("redis."):
-        return _redis_store(target)
-    raise ConfigurationError(
-        f"caps_url must be a store URL, a SQLAlchemy Engine, a redis client or a SlotStore, got {type_name}"
-    )
-
-
-def _sqlalchemy_store(target: Any, create_schema: bool) -> SlotStore:
-    try:
-        from .sqlalchemy import SQLAlchemyStore
-    except ImportError as exc:  # pragma: no cover - sqlalchemy is a core dependency
-        raise MissingDependencyError(f"the SQL store needs SQLAlchemy: pip install celery-caps ({exc})") from exc
-    return SQLAlchemyStore(target, create_schema=create_schema)
-
-
-def _redis_store(target: Any) -> SlotStore:
-    try:
-        from .redis import RedisStore  # type: ignore[import-not-found,unused-ignore]
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f'the Redis store needs redis-py: pip install "celery-caps[redis]" ({exc})'
-        ) from exc
-    store: SlotStore = RedisStore(target)
-    return store

@@ -21,18 +21,14 @@ from dataclasses import dataclass
 
 from .base import (
     DISPATCH_HOLDER,
-    PARK_ADMITTED,
-    PARK_FULL,
-    PARK_LIST_FULL,
-    PARK_PARKED,
-    PARK_ROOM,
-    PARK_WAITING,
     Admission,
     ClaimOutcome,
     HistoryEvent,
     Lease,
+    ParkingStore,
+    ParkOutcome,
+    ParkRequest,
     SlotStatus,
-    SlotStore,
     Waiter,
     Woken,
 )
@@ -81,7 +77,7 @@ def of_caps(slot: str, caps: Collection[str]) -> bool:
     return any(slot == cap or slot.startswith(cap + ":") for cap in caps)
 
 
-class MemoryStore(SlotStore):
+class MemoryStore(ParkingStore):
     """Slots in a dict guarded by a lock; ``clock`` returns seconds (the store clock)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
@@ -96,8 +92,6 @@ class MemoryStore(SlotStore):
         self.peaks: dict[str, int] = {}
         #: Task id -> seconds between its park and its claim (store clock), for tasks that waited.
         self.waited: dict[str, float] = {}
-
-    supports_parking = True
 
     def _live_task_ids(self, slot: str, now: float) -> set[str]:
         return {lease.task_id for lease in self._leases.get(slot, {}).values() if lease.expires_at > now}
@@ -132,43 +126,31 @@ class MemoryStore(SlotStore):
                 full.append(slot)
         return full
 
-    def park(
-        self,
-        slots: Mapping[str, int],
-        task_id: str,
-        run_id: str,
-        holder: str,
-        lease_seconds: float,
-        *,
-        payload: bytes | None,
-        first_deferred_at: float,
-        max_waiters: int,
-        task_name: str | None = None,
-        admit: bool = True,
-    ) -> str:
+    def park(self, request: ParkRequest) -> ParkOutcome:
+        slots, task_id = request.slots, request.task_id
         with self._lock:
             now = self.clock()
             for slot in slots:
                 self._limits[slot] = slots[slot]
             entry = self._waiting.get(task_id)
             if entry is not None and entry.listed:
-                return PARK_WAITING
+                return ParkOutcome.WAITING
             dispatches = entry.dispatches if entry is not None else 0  # a tombstone's count lives on
             if not self._full_slots(slots, task_id, now):
-                if not admit:
-                    return PARK_ROOM
-                self._add_leases(slots, run_id, task_id, holder, now + lease_seconds, task_name, now)
-                return PARK_ADMITTED
-            if payload is None:
-                return PARK_FULL
+                self._add_leases(
+                    slots, request.run_id, task_id, request.holder, now + request.lease_seconds, request.task_name, now
+                )
+                return ParkOutcome.ADMITTED
+            if request.payload is None:
+                return ParkOutcome.FULL
             waiting = {slot: sum(1 for w in self._waiting.values() if w.listed and slot in w.slots) for slot in slots}
-            if any(count >= max_waiters for count in waiting.values()):
-                return PARK_LIST_FULL
+            if any(count >= request.max_waiters for count in waiting.values()):
+                return ParkOutcome.LIST_FULL
             self._waiting[task_id] = _WaiterEntry(
-                task_id, dict(slots), payload, first_deferred_at, now, next(self._sequence), task_name,
-                dispatches=dispatches,
+                task_id, dict(slots), request.payload, request.first_deferred_at, now, next(self._sequence),
+                request.task_name, dispatches=dispatches,
             )  # fmt: skip
-            return PARK_PARKED
+            return ParkOutcome.PARKED
 
     def _add_leases(
         self,

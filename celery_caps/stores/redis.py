@@ -129,20 +129,16 @@ from redis.client import NEVER_DECODE
 from redis.commands.core import Script
 from redis.retry import Retry
 
-from ..errors import ConfigurationError, StoreError
+from ..errors import ConfigurationError
 from .base import (
-    PARK_ADMITTED,
-    PARK_FULL,
-    PARK_LIST_FULL,
-    PARK_PARKED,
-    PARK_ROOM,
-    PARK_WAITING,
     Admission,
     ClaimOutcome,
     HistoryEvent,
     Lease,
+    ParkingStore,
+    ParkOutcome,
+    ParkRequest,
     SlotStatus,
-    SlotStore,
     Waiter,
     Woken,
     mask_url,
@@ -162,10 +158,7 @@ _RETRY_BACKOFF_CAP_SECONDS = 0.1
 
 #: Helpers of the parking scripts, loaded after redis_common.lua.
 _WAITLIST_LIBRARY = "redis_waitlist.lua"
-_PARK_OUTCOMES = {
-    outcome.encode(): outcome
-    for outcome in (PARK_WAITING, PARK_ADMITTED, PARK_ROOM, PARK_FULL, PARK_LIST_FULL, PARK_PARKED)
-}
+_PARK_OUTCOMES = {outcome.value.encode(): outcome for outcome in ParkOutcome}
 _CLAIM_OUTCOMES = {outcome.value.encode(): outcome for outcome in ClaimOutcome}
 
 _PASSWORD_QUERY = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
@@ -218,7 +211,7 @@ def _display_url(url: str) -> str:
     return _PASSWORD_QUERY.sub(r"\1***", mask_url(url))
 
 
-class RedisStore(SlotStore):
+class RedisStore(ParkingStore):
     """Slots in Redis, each operation one atomic Lua script (see the module docstring).
 
     Args:
@@ -229,6 +222,9 @@ class RedisStore(SlotStore):
         key_prefix: Prefix of every key this store uses; stores with different
             prefixes share a Redis database without seeing each other's slots.
     """
+
+    # OSError: redis-py wraps socket errors as a rule, but not on every path.
+    driver_errors = (redis.exceptions.RedisError, OSError)
 
     def __init__(self, target: str | redis.Redis, *, key_prefix: str = "caps") -> None:
         if not isinstance(key_prefix, str) or not key_prefix:
@@ -341,23 +337,15 @@ class RedisStore(SlotStore):
         """Connect (the pool keeps the connection for the first call; it opens one for each
         further thread on demand, in a fraction of a millisecond) and load every script the
         server does not have yet, so that no first call pays a ``NOSCRIPT`` round trip."""
-        try:
-            loaded = self._client.script_exists(*(script.sha for script in self._scripts))
-            for script, present in zip(self._scripts, loaded, strict=True):
-                if not present:
-                    script.sha = self._client.script_load(script.script)
-        except (redis.exceptions.RedisError, OSError) as exc:
-            message = f"warming up failed on {self._display_url}: {type(exc).__name__}: {exc}"
-            raise StoreError(_scrub(message, self._password())) from exc
+        loaded = self._client.script_exists(*(script.sha for script in self._scripts))
+        for script, present in zip(self._scripts, loaded, strict=True):
+            if not present:
+                script.sha = self._client.script_load(script.script)
 
     def durability_warning(self) -> str | None:
         """A warning when the server keeps no append-only file: its waiting lists live in
         memory, and a restart (or a failover to a replica behind it) loses every parked task."""
-        try:
-            persistence = self._client.info("persistence")
-        except (redis.exceptions.RedisError, OSError) as exc:
-            message = f"reading the persistence of {self._display_url} failed: {type(exc).__name__}: {exc}"
-            raise StoreError(_scrub(message, self._password())) from exc
+        persistence = self._client.info("persistence")
         if str(persistence.get("aof_enabled", "0")) == "1":
             return None
         return (
@@ -378,26 +366,22 @@ class RedisStore(SlotStore):
             return f"unix://{options['path']}?db={db}"
         return f"redis://{options.get('host', '?')}:{options.get('port', '?')}/{db}"
 
-    def _password(self) -> object:
+    def secrets(self) -> Sequence[str]:
         try:
-            return self._client.connection_pool.connection_kwargs.get("password")
+            password = self._client.connection_pool.connection_kwargs.get("password")
         except AttributeError:
-            return None
+            return ()
+        return (password,) if isinstance(password, str) and password else ()
 
     def _run(self, operation: str, script: Script, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
         """Run ``script`` (one ``EVALSHA``); its reply is never decoded: names and payloads
         come back as the bytes stored, whether or not the client decodes responses."""
         try:
-            try:
-                return self._evalsha(script, keys, args)
-            except redis.exceptions.NoScriptError:
-                # After a Redis restart or SCRIPT FLUSH: load the script, run it again.
-                script.sha = self._client.script_load(script.script)
-                return self._evalsha(script, keys, args)
-        except (redis.exceptions.RedisError, OSError) as exc:
-            # OSError: redis-py wraps socket errors as a rule, but not on every path.
-            message = f"{operation} failed on {self._display_url}: {type(exc).__name__}: {exc}"
-            raise StoreError(_scrub(message, self._password())) from exc
+            return self._evalsha(script, keys, args)
+        except redis.exceptions.NoScriptError:
+            # After a Redis restart or SCRIPT FLUSH: load the script, run it again.
+            script.sha = self._client.script_load(script.script)
+            return self._evalsha(script, keys, args)
 
     def _evalsha(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
         # NEVER_DECODE: the reply as stored, even from a client that decodes responses.
@@ -408,10 +392,8 @@ class RedisStore(SlotStore):
 
     @staticmethod
     def _seconds(value: float, name: str = "lease_seconds") -> str:
-        seconds = float(value)
-        if not math.isfinite(seconds):
-            raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
-        return repr(seconds)
+        """A number of seconds as an argument (finite: the store's checks saw to it)."""
+        return repr(float(value))
 
     # -- the contract ---------------------------------------------------------------
 
@@ -424,8 +406,6 @@ class RedisStore(SlotStore):
         lease_seconds: float,
         task_name: str | None = None,
     ) -> Admission:
-        if not run_id:
-            raise ValueError("run_id must be non-empty")
         seconds = self._seconds(lease_seconds)
         # A run id that already holds leases has them replaced when admitted: the
         # same run asking again after its leases expired, or redis-py replaying the
@@ -464,8 +444,6 @@ class RedisStore(SlotStore):
         return int(self._run("release", self._release, self._index_keys, script_args))
 
     def release(self, run_id: str) -> int:
-        if not run_id:
-            raise ValueError("run_id must be non-empty")
         return self._delete([b"run", _encode(run_id)])
 
     def release_holder(self, task_id: str, holder: str) -> int:
@@ -509,15 +487,11 @@ class RedisStore(SlotStore):
     def prune(self, prefix: str, *, dry_run: bool = False) -> list[str]:
         # Finding candidates scans the sentinels (HSCAN, off any hot path); the
         # script then checks and deletes each one atomically.
-        try:
-            candidates = [
-                name
-                for name in (_text(field) for field, _ in self._client.hscan_iter(self._limits_key, count=1000))
-                if name.startswith(prefix)
-            ]
-        except (redis.exceptions.RedisError, OSError) as exc:
-            message = f"prune failed on {self._display_url}: {type(exc).__name__}: {exc}"
-            raise StoreError(_scrub(message, self._password())) from exc
+        candidates = [
+            name
+            for name in (_text(field) for field, _ in self._client.hscan_iter(self._limits_key, count=1000))
+            if name.startswith(prefix)
+        ]
         pruned: list[str] = []
         for start in range(0, len(candidates), 500):
             batch = candidates[start : start + 500]
@@ -549,36 +523,21 @@ class RedisStore(SlotStore):
 
     # -- the waiting list (park strategy; see the module docstring) ----------------
 
-    supports_parking = True
-
-    def park(
-        self,
-        slots: Mapping[str, int],
-        task_id: str,
-        run_id: str,
-        holder: str,
-        lease_seconds: float,
-        *,
-        payload: bytes | None,
-        first_deferred_at: float,
-        max_waiters: int,
-        task_name: str | None = None,
-        admit: bool = True,
-    ) -> str:
-        if not run_id:
-            raise ValueError("run_id must be non-empty")
+    def park(self, request: ParkRequest) -> ParkOutcome:
+        task_id, payload = request.task_id, request.payload
         keys = [*self._waitlist_keys, self.task_key(task_id), self.done_key(task_id)]
         args = [
-            *self._run_args(task_id, run_id, holder, self._seconds(lease_seconds), task_name),
+            *self._run_args(
+                task_id, request.run_id, request.holder, self._seconds(request.lease_seconds), request.task_name
+            ),
             b"" if payload is None else bytes(payload),
             "0" if payload is None else "1",
-            self._seconds(first_deferred_at, "first_deferred_at"),
-            str(int(max_waiters)),
-            "1" if admit else "0",
+            self._seconds(request.first_deferred_at, "first_deferred_at"),
+            str(int(request.max_waiters)),
         ]
-        for slot in sorted(slots):
+        for slot in sorted(request.slots):
             keys.extend((*self.slot_keys(slot), self.waiters_key(slot)))
-            args.extend((_encode(slot), str(int(slots[slot]))))
+            args.extend((_encode(slot), str(int(request.slots[slot]))))
         return _PARK_OUTCOMES[bytes(self._run("park", self._park, keys, args))]
 
     @staticmethod
@@ -610,8 +569,6 @@ class RedisStore(SlotStore):
         return int(reply[0]), self._woken(reply[1:])
 
     def release_and_wake(self, run_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
-        if not run_id:
-            raise ValueError("run_id must be non-empty")
         return self._release_and_wake(dispatch_lease_seconds, [b"run", _encode(run_id)])
 
     def release_holder_and_wake(
@@ -625,8 +582,6 @@ class RedisStore(SlotStore):
     def claim(
         self, task_id: str, run_id: str, holder: str, lease_seconds: float, *, redelivered: bool = False
     ) -> ClaimOutcome:
-        if not run_id:
-            raise ValueError("run_id must be non-empty")
         args: list[bytes | str] = [
             self._prefix,
             _encode(task_id),

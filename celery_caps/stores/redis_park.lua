@@ -6,19 +6,18 @@
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches, the task's run
 --       set, the task's tombstone, then per slot: its runs, its tasks, its waiters
 -- ARGV: prefix, task id, run id, holder, lease seconds, task name ('' if none), payload,
---       '1' if a payload is given else '0', first-deferral time, max waiters, '1' to admit
---       or '0' (a task being sent, not run), then per slot (sorted): name, limit
--- Returns 'waiting' (nothing changed), 'admitted', 'room' (every slot has room but admit
--- was '0': nothing taken), 'full' (no payload: nothing stored), 'waitlist_full' (a slot
--- has max waiters already: nothing stored) or 'parked'.  Only the sentinels are written
+--       '1' if a payload is given else '0', first-deferral time, max waiters, then per slot
+--       (sorted): name, limit
+-- Returns 'waiting' (nothing changed), 'admitted', 'full' (no payload: nothing stored),
+-- 'waitlist_full' (a slot has max waiters already: nothing stored) or 'parked'.  Only the sentinels are written
 -- in every case.
 
 local limits_key, runs_key, expiry_key = KEYS[1], KEYS[2], KEYS[3]
 local keys = waitlist_keys()
 local prefix, task_id, run_id, holder = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local lease_seconds, task_name, payload, has_payload = tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8] == '1'
-local first_deferred_at, max_waiters, admit = ARGV[9], tonumber(ARGV[10]), ARGV[11] == '1'
-local FIRST_SLOT = 12
+local first_deferred_at, max_waiters = ARGV[9], tonumber(ARGV[10])
+local FIRST_SLOT = 11
 local FIRST_SLOT_KEY = 10
 local slot_count = (#ARGV - FIRST_SLOT + 1) / 2
 local now, now_text = now_with_text()
@@ -56,9 +55,6 @@ for i = 1, slot_count do
   end
 end
 if not full then
-  if not admit then
-    return 'room'
-  end
   if slot_count > 0 then
     write_run(prefix, runs_key, expiry_key, task_id, run_id, holder, names, lease_seconds, now, task_name)
   end

@@ -358,7 +358,7 @@ def watch(plan: Plan, workers: Sequence[Worker], observations: Path, timeout: fl
 
 def leases_left(store_url: str, task_ids: set[str]) -> int:
     """Leases of this run's tasks still in the store (after the workers stopped: should be 0)."""
-    from celery_caps.stores.base import store_from_url
+    from celery_caps.stores import store_from_url
 
     store = store_from_url(store_url)
     try:

@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 
 from celery import Celery
 
-from celery_caps.stores.base import Lease, SlotStore, store_from_url
+from celery_caps.stores import store_from_url
+from celery_caps.stores.base import Lease, ParkingStore, SlotStore
 from tests.integration.fleetapp import Recorder, make_app, queue_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -457,8 +458,27 @@ class Fleet:
         wait_for(
             lambda: all(self.record().done[task_id] for task_id in task_ids),
             timeout,
-            lambda: f"{sum(1 for t in task_ids if self.record().done[t])} of {len(task_ids)} tasks completed",
+            lambda: self._missing(task_ids),
             interval=interval,
+        )
+
+    def _missing(self, task_ids: Collection[str]) -> str:
+        """How many of ``task_ids`` completed, and where the store has the others (for a failure)."""
+        record = self.record()
+        missing = {t for t in task_ids if not record.done[t]}
+        text = f"{len(task_ids) - len(missing)} of {len(task_ids)} tasks completed"
+        try:
+            waiting = [w for w in getattr(self.store, "waiters", list)() if w.task_id in missing]
+            leases = [lease for lease in self.leases() if lease.task_id in missing]
+        except Exception as exc:  # a diagnostic only: the store may be what failed
+            return f"{text} (the store could not be read: {exc})"
+        parked = {w.task_id for w in waiting if not w.dispatched}
+        dispatched = {w.task_id for w in waiting if w.dispatched}
+        held = {lease.task_id for lease in leases}
+        return (
+            f"{text}; of the rest, in the store: {len(parked)} parked, {len(dispatched)} dispatched, "
+            f"{len(held)} holding leases, {len(missing - parked - dispatched - held)} nowhere; "
+            f"live leases of the fleet: {self.leases()[:10]}; waiters: {waiting[:10]}"
         )
 
     def wait_for_expiry(self, timeout: float) -> None:
@@ -519,9 +539,9 @@ def delete_slot_rows(store: SlotStore, prefix: str) -> None:
     """Delete every lease and sentinel whose slot name starts with ``prefix`` (SQL or Redis store),
     and take the tasks still waiting for those slots off the waiting list."""
     from celery_caps.stores.redis import RedisStore
-    from celery_caps.stores.sqlalchemy import SQLAlchemyStore, concurrency_slots, concurrency_waiters
+    from celery_caps.stores.sql import SQLStore, concurrency_slots, concurrency_waiters
 
-    if store.supports_parking:
+    if isinstance(store, ParkingStore):
         for task_id in sorted({waiter.task_id for waiter in store.waiters() if waiter.slot.startswith(prefix)}):
             store.forget(task_id, 30.0)
     if isinstance(store, RedisStore):
@@ -530,9 +550,9 @@ def delete_slot_rows(store: SlotStore, prefix: str) -> None:
         fields = [name for name, _ in client.hscan_iter(limits, match=f"{prefix}*")]
         if fields:
             client.hdel(limits, *fields)
-    if isinstance(store, SQLAlchemyStore):
+    if isinstance(store, SQLStore):
         # On MySQL/MariaDB the name columns are VARBINARY: compare bytes.
-        pattern: str | bytes = prefix.encode() if store.dialect == "mysql" else prefix
+        pattern = store.dialect.exact(prefix)
         with store.engine.begin() as connection:
             connection.execute(concurrency_slots.delete().where(concurrency_slots.c.slot.startswith(pattern)))
             connection.execute(concurrency_waiters.delete().where(concurrency_waiters.c.slot.startswith(pattern)))

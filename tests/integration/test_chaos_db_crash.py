@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+from celery_caps.stores.sql import SQLStore
 from tests.integration.conftest import FleetFactory
 from tests.integration.fleet import Fleet, mixed_workload, over_cap, send_workload, wait_for
 from tests.services import require_service, unavailable
@@ -198,7 +198,7 @@ def test_database_crash_loses_no_task_keeps_the_caps_and_leaves_nothing_behind(
         backoff_max=1.0,
     )
     store = fleet.store
-    assert isinstance(store, SQLAlchemyStore)
+    assert isinstance(store, SQLStore)
 
     # Given three prefork workers parking on the private PostgreSQL, a sweep every second, and a
     # mixed workload of short tasks sent at once: the caps bind and most tasks wait in the

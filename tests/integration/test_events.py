@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from celery_caps.cli import caps
-from celery_caps.stores.base import store_from_url
+from celery_caps.stores import store_from_url
 from tests.integration.ops import OpsWorker, ops_env, wait_for
 from tests.services import new_prefix, require_service
 

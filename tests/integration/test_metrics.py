@@ -18,7 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from celery_caps.errors import MissingDependencyError
-from celery_caps.stores.base import SlotStore, store_from_url
+from celery_caps.stores import store_from_url
+from celery_caps.stores.base import SlotStore
 from tests.integration.ops import OpsWorker, free_port, ops_env, wait_for
 from tests.services import new_prefix, require_service
 

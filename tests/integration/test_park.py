@@ -21,7 +21,8 @@ import pytest
 from celery.signals import before_task_publish
 
 from celery_caps.park import DISPATCH_HEADER, WAKE_QUEUE_SUFFIX, publish_woken
-from celery_caps.stores.base import DISPATCH_HOLDER, SlotStore, store_from_url
+from celery_caps.stores import store_from_url
+from celery_caps.stores.base import DISPATCH_HOLDER, SlotStore
 from celery_caps.worker import RECOVERY_SECONDS
 from tests.integration.conftest import FleetFactory
 from tests.integration.fleet import Fleet, TcpProxy, mixed_workload, send_workload, wait_for

@@ -8,9 +8,10 @@ import pytest
 
 from celery_caps.caps import MAX_KEY_LENGTH, MAX_NAME_LENGTH, Cap, normalize_caps, slots_for
 from celery_caps.errors import CapKeyError, CapsError, ConfigurationError, StoreError
-from celery_caps.stores.base import SlotStore, mask_url, store_from_url
+from celery_caps.stores import store_from_url
+from celery_caps.stores.base import SlotStore, mask_url
 from celery_caps.stores.memory import MemoryStore
-from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+from celery_caps.stores.sql import SQLStore
 
 # -- Cap validation -------------------------------------------------------------------
 
@@ -268,7 +269,7 @@ def test_store_from_url_builds_stores_and_passes_ready_ones_through(tmp_path: An
     assert store_from_url(memory) is memory
     sqlite = store_from_url(f"sqlite:///{tmp_path}/caps.db")
     try:
-        assert isinstance(sqlite, SQLAlchemyStore)
+        assert isinstance(sqlite, SQLStore)
         assert isinstance(sqlite, SlotStore)
     finally:
         sqlite.close()
@@ -280,7 +281,7 @@ def test_a_ready_engine_is_used_and_never_disposed(tmp_path: Any) -> None:
     engine = sa.create_engine(f"sqlite:///{tmp_path}/caps.db")
     try:
         store = store_from_url(engine)
-        assert isinstance(store, SQLAlchemyStore)
+        assert isinstance(store, SQLStore)
         assert store.acquire({"provider": 1}, "task-1", "run-1", "w1/1", 30.0).granted
         store.close()
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from celery_caps.history import HistoryRecorder, occupancy
-from celery_caps.stores.base import HistoryEvent, Lease, store_from_url
+from celery_caps.stores import store_from_url
+from celery_caps.stores.base import HistoryEvent, Lease
 from celery_caps.stores.memory import MemoryStore
 
 

@@ -101,7 +101,6 @@ class FlakyStore:
     def __init__(self, store: SlotStore) -> None:
         self.store = store
         self.mode = "up"
-        self.supports_parking = True
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.store, name)

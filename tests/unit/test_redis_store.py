@@ -26,19 +26,9 @@ import redis
 from redis.crc import key_slot
 
 from celery_caps.errors import ConfigurationError, StoreError
-from celery_caps.stores.base import (
-    PARK_ADMITTED,
-    PARK_FULL,
-    PARK_LIST_FULL,
-    PARK_PARKED,
-    PARK_ROOM,
-    PARK_WAITING,
-    Admission,
-    ClaimOutcome,
-    SlotStatus,
-    Woken,
-    store_from_url,
-)
+from celery_caps.stores import store_from_url
+from celery_caps.stores.base import Admission, ClaimOutcome, ParkOutcome, ParkRequest, SlotStatus, Woken
+from celery_caps.stores.checks import MAX_ID_LENGTH
 from celery_caps.stores.redis import RedisStore
 
 pytestmark = pytest.mark.redis
@@ -117,10 +107,10 @@ def new_store(client: redis.Redis) -> Iterator[Callable[..., RedisStore]]:
 
 def park(store: RedisStore, slots: dict[str, int], task_id: str, first: float) -> str:
     """Park (or admit) a new run of ``task_id``; its payload names it."""
-    return store.park(
+    return store.park(ParkRequest(
         slots, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=f"payload of {task_id}".encode(),
         first_deferred_at=first, max_waiters=100,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def redis_time(client: redis.Redis) -> float:
@@ -151,7 +141,8 @@ def test_stores_with_different_key_prefixes_share_a_database_without_seeing_each
     assert first.acquire({"licence": 1}, "task-a", new_run_id(), HOLDER, LONG_LEASE) == Admission(True)
     assert second.acquire({"licence": 1}, "task-b", new_run_id(), HOLDER, LONG_LEASE) == Admission(True)
     # and an expired lease in the first store only
-    first.acquire({"expired": 1}, "task-x", new_run_id(), HOLDER, -1.0)
+    first.acquire({"expired": 1}, "task-x", new_run_id(), HOLDER, 0.05)
+    time.sleep(0.1)
 
     # Then each store sees only its own slots and leases
     assert first.status() == [
@@ -241,7 +232,7 @@ def test_a_waiter_lives_in_the_hash_slot_of_the_slot_it_waits_for(
     store.acquire({slot: 1, other: 1}, "task-1", held, HOLDER, LONG_LEASE)
 
     # When a task waits for one slot
-    assert park(store, {slot: 1}, "task-2", 1.0) == PARK_PARKED
+    assert park(store, {slot: 1}, "task-2", 1.0) == ParkOutcome.PARKED
 
     # Then its entry is in that slot's waiting list, hashed like the slot's lease keys
     # (by the whole escaped name), and the rest are the store-wide waiting-list keys
@@ -259,7 +250,7 @@ def test_a_waiter_lives_in_the_hash_slot_of_the_slot_it_waits_for(
 
     # When a task waits for two slots, it has one entry in each slot's list, each in
     # that slot's own hash slot (a cluster could only serve it if they were co-located)
-    assert park(store, {slot: 1, other: 1}, "task-3", 2.0) == PARK_PARKED
+    assert park(store, {slot: 1, other: 1}, "task-3", 2.0) == ParkOutcome.PARKED
     assert client.zcard(store.waiters_key(slot)) == 2
     assert client.zcard(store.waiters_key(other)) == 1
     assert key_slot(store.waiters_key(other)) == key_slot(b"provider") != key_slot(store.waiters_key(slot))
@@ -284,7 +275,7 @@ def test_stores_with_different_key_prefixes_never_see_each_others_waiters(
     first.acquire({"licence": 1}, "task-a", first_run, HOLDER, LONG_LEASE)
     second_run = new_run_id()
     second.acquire({"licence": 1}, "task-b", second_run, HOLDER, LONG_LEASE)
-    assert park(first, {"licence": 1}, "waiter", 1.0) == PARK_PARKED
+    assert park(first, {"licence": 1}, "waiter", 1.0) == ParkOutcome.PARKED
 
     # Then the second store neither lists, recovers, readmits nor forgets it
     assert second.waiters() == []
@@ -299,7 +290,7 @@ def test_stores_with_different_key_prefixes_never_see_each_others_waiters(
     assert [(w.slot, w.task_id, w.dispatched) for w in first.waiters()] == [("licence", "waiter", False)]
     # ... and the same task id parks in the second store on its own
     second.acquire({"licence": 1}, "task-c", new_run_id(), HOLDER, LONG_LEASE)
-    assert park(second, {"licence": 1}, "waiter", 5.0) == PARK_PARKED
+    assert park(second, {"licence": 1}, "waiter", 5.0) == ParkOutcome.PARKED
     assert [w.first_deferred_at for w in second.waiters()] == [5.0]
     assert [w.first_deferred_at for w in first.waiters()] == [1.0]
     assert written_keys(client, first).isdisjoint(written_keys(client, second))
@@ -316,7 +307,7 @@ def test_equal_first_deferrals_are_served_in_park_order_by_redis_time(new_store:
     store.acquire({"licence": 1}, "holder", held, HOLDER, LONG_LEASE)
     # Given waiters deferred at the same moment, parked in the reverse of their task ids' order
     for task_id in ("task-z", "task-m", "task-a"):
-        assert park(store, {"licence": 1}, task_id, 100.0) == PARK_PARKED
+        assert park(store, {"licence": 1}, task_id, 100.0) == ParkOutcome.PARKED
 
     # Then they wait, and are served, in park order
     assert [w.task_id for w in store.waiters("licence")] == ["task-z", "task-m", "task-a"]
@@ -341,7 +332,7 @@ def test_park_times_and_dispatch_expiry_follow_redis_time_not_the_worker_clock(
     store.acquire({"licence": 1}, "holder", held, HOLDER, LONG_LEASE)
 
     # When a task parks, and a release dispatches it with a 30 s dispatch lease
-    assert park(store, {"licence": 1}, "waiter", 1.0) == PARK_PARKED
+    assert park(store, {"licence": 1}, "waiter", 1.0) == ParkOutcome.PARKED
     parked_by_redis = redis_time(client)
     [member] = client.zrange(store.waiters_key("licence"), 0, -1)
     assert isinstance(member, bytes)
@@ -366,7 +357,7 @@ def test_park_times_and_dispatch_expiry_follow_redis_time_not_the_worker_clock(
     assert store.claim("waiter", woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
     blocker = new_run_id()
     store.acquire({"licence": 1}, "blocker", blocker, HOLDER, LONG_LEASE)
-    assert park(store, {"licence": 1}, "waiter", 1.0) == PARK_PARKED
+    assert park(store, {"licence": 1}, "waiter", 1.0) == ParkOutcome.PARKED
     _, [short] = store.release_and_wake(blocker, 0.5)
     assert store.recover(DISPATCH_LEASE) == []  # a day passed for the worker, not for Redis
     deadline = real_time() + 10.0
@@ -391,11 +382,11 @@ def test_payloads_and_names_come_back_byte_for_byte_even_through_a_decoding_clie
         held = new_run_id()
         store.acquire({"ünï{cödé}": 1}, "holder", held, HOLDER, LONG_LEASE)
         for task_id in ("tâsk-1", "tâsk-2"):
-            outcome = store.park(
+            outcome = store.park(ParkRequest(
                 {"ünï{cödé}": 1}, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=BINARY_PAYLOAD + task_id.encode(),
                 first_deferred_at=1.0, max_waiters=10, task_name="pröj.task",
-            )  # fmt: skip
-            assert outcome == PARK_PARKED
+            ))  # fmt: skip
+            assert outcome == ParkOutcome.PARKED
         _, [woken] = store.release_and_wake(held, DISPATCH_LEASE)
         assert (woken.task_id, woken.payload, woken.task_name) == (
             "tâsk-1",
@@ -485,19 +476,18 @@ def test_each_parking_step_is_one_round_trip(counting_store: RedisStore) -> None
     def park_once(task_id: str, slots: dict[str, int], *, payload: bytes | None = b"message", **options: Any) -> str:
         return in_one_trip(
             f"park {task_id}",
-            lambda: store.park(
+            lambda: store.park(ParkRequest(
                 slots, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=payload, first_deferred_at=2.0,
                 **{"max_waiters": 10, **options},
-            ),
+            )),
         )  # fmt: skip
 
     # Then each step is one EVALSHA, whatever it decides
-    assert park_once("task-2", {"licence": 1}) == PARK_PARKED
-    assert park_once("task-2", {"licence": 1}) == PARK_WAITING
-    assert park_once("task-x", {"licence": 1}, payload=None) == PARK_FULL
-    assert park_once("task-x", {"licence": 1}, max_waiters=1) == PARK_LIST_FULL
-    assert park_once("task-3", {"other": 1}) == PARK_ADMITTED
-    assert park_once("task-sent", {"free": 1}, admit=False) == PARK_ROOM
+    assert park_once("task-2", {"licence": 1}) == ParkOutcome.PARKED
+    assert park_once("task-2", {"licence": 1}) == ParkOutcome.WAITING
+    assert park_once("task-x", {"licence": 1}, payload=None) == ParkOutcome.FULL
+    assert park_once("task-x", {"licence": 1}, max_waiters=1) == ParkOutcome.LIST_FULL
+    assert park_once("task-3", {"other": 1}) == ParkOutcome.ADMITTED
     _, [woken] = in_one_trip("release_and_wake", lambda: store.release_and_wake(warm.run_id, DISPATCH_LEASE))
     claimed = in_one_trip("claim", lambda: store.claim("task-2", woken.run_id, HOLDER, LONG_LEASE))
     assert claimed is ClaimOutcome.RUN
@@ -507,7 +497,7 @@ def test_each_parking_step_is_one_round_trip(counting_store: RedisStore) -> None
     assert in_one_trip("recover (of some slots)", lambda: store.recover(DISPATCH_LEASE, caps=["licence"])) == []
     # ... readmits: past the maximum wait, then by an operator
     for task_id, first in (("task-4", 4.0), ("task-5", 5.0)):
-        assert park(store, {"licence": 1}, task_id, first) == PARK_PARKED
+        assert park(store, {"licence": 1}, task_id, first) == ParkOutcome.PARKED
     overdue = in_one_trip("recover (readmit)", lambda: store.recover(DISPATCH_LEASE, readmit_before=4.5))
     assert [(w.task_id, w.readmit) for w in overdue] == [("task-4", True)]
     drained = in_one_trip("readmit", lambda: store.readmit("licence", DISPATCH_LEASE))
@@ -515,7 +505,7 @@ def test_each_parking_step_is_one_round_trip(counting_store: RedisStore) -> None
     for readmitted in (*overdue, *drained):
         assert store.claim(readmitted.task_id, readmitted.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
     # ... a dead holder's release, a forgotten dispatch and a revoked task's release, each with its wake
-    assert park(store, {"licence": 1}, "task-6", 6.0) == PARK_PARKED
+    assert park(store, {"licence": 1}, "task-6", 6.0) == ParkOutcome.PARKED
     deleted, [dispatched] = in_one_trip(
         "release_holder_and_wake", lambda: store.release_holder_and_wake("task-2", HOLDER, DISPATCH_LEASE)
     )
@@ -536,7 +526,7 @@ def test_a_tombstone_is_one_key_that_expires_by_itself_and_gives_way_to_a_new_pa
     store.done_seconds = 60.0
     held = new_run_id()
     store.acquire({"licence": 1}, "holder", held, HOLDER, LONG_LEASE)
-    assert park(store, {"licence": 1}, "waiter", 1.0) == PARK_PARKED
+    assert park(store, {"licence": 1}, "waiter", 1.0) == ParkOutcome.PARKED
     _, [woken] = store.release_and_wake(held, DISPATCH_LEASE)
 
     # When the task is revoked while its dispatch is on the way
@@ -553,7 +543,7 @@ def test_a_tombstone_is_one_key_that_expires_by_itself_and_gives_way_to_a_new_pa
 
     # When a new copy of the task parks, the tombstone gives way to its entry
     store.acquire({"licence": 1}, "blocker", new_run_id(), HOLDER, LONG_LEASE)
-    assert park(store, {"licence": 1}, "waiter", 2.0) == PARK_PARKED
+    assert park(store, {"licence": 1}, "waiter", 2.0) == ParkOutcome.PARKED
     assert client.exists(done) == 0
     assert store.claim("waiter", woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END  # (it waits)
 
@@ -566,7 +556,7 @@ def test_a_claimed_entry_dispatched_once_leaves_nothing_and_one_dispatched_twice
     held = new_run_id()
     store.acquire({"licence": 1}, "holder", held, HOLDER, LONG_LEASE)
     for task_id, first in (("once", 1.0), ("twice", 2.0)):
-        assert park(store, {"licence": 1}, task_id, first) == PARK_PARKED
+        assert park(store, {"licence": 1}, task_id, first) == ParkOutcome.PARKED
 
     # Given one waiter dispatched and claimed at the first try
     _, [once] = store.release_and_wake(held, DISPATCH_LEASE)
@@ -605,16 +595,21 @@ BRACE_NAMES = [
     "}",
     "}{",
     "{}",
-    "",
     "a}:tasks",
     "a}:runs",
     "{a}:slot:{b}",
     "x:slot:{a}:runs",
     "quote'\"{brace}",
     "ünï{cödé}🚀",
-    "{" * 5_000 + "}" * 5_000,
-    "}" * 5_000 + "{" * 5_000,
+    "{" * 120 + "}" * 120,
+    "}" * 120 + "{" * 120,
 ]
+
+
+def hostile_task_id(number: int) -> str:
+    """A task id made of a hostile name, cut to the longest task id a store keeps."""
+    suffix = f"#{number}"
+    return BRACE_NAMES[-number - 1][: MAX_ID_LENGTH - len(suffix)] + suffix
 
 
 def test_slot_names_and_task_ids_with_braces_never_collide(
@@ -625,7 +620,7 @@ def test_slot_names_and_task_ids_with_braces_never_collide(
     # Given every name as a limit-1 slot, each taken by a task id that is a hostile name too
     runs = {}
     for number, slot in enumerate(BRACE_NAMES):
-        task_id = f"{BRACE_NAMES[-number - 1]}#{number}"
+        task_id = hostile_task_id(number)
         runs[slot] = (task_id, new_run_id())
         assert store.acquire({slot: 1}, task_id, runs[slot][1], HOLDER, LONG_LEASE) == Admission(True), slot
 
@@ -655,20 +650,18 @@ def test_waiters_of_slots_with_braces_never_collide(new_store: Callable[..., Red
     for number, slot in enumerate(BRACE_NAMES):
         held[slot] = new_run_id()
         assert store.acquire({slot: 1}, f"holder#{number}", held[slot], HOLDER, LONG_LEASE) == Admission(True)
-        assert park(store, {slot: 1}, f"{BRACE_NAMES[-number - 1]}#{number}", float(number)) == PARK_PARKED
+        assert park(store, {slot: 1}, hostile_task_id(number), float(number)) == ParkOutcome.PARKED
 
     # Then each slot's waiting list has a key of its own and holds exactly its own waiter
     waiter_keys = [store.waiters_key(slot) for slot in BRACE_NAMES]
     assert len(set(waiter_keys)) == len(waiter_keys)
     for number, slot in enumerate(BRACE_NAMES):
-        assert [(w.slot, w.task_id, w.position) for w in store.waiters(slot)] == [
-            (slot, f"{BRACE_NAMES[-number - 1]}#{number}", 1)
-        ]
+        assert [(w.slot, w.task_id, w.position) for w in store.waiters(slot)] == [(slot, hostile_task_id(number), 1)]
     assert len(store.waiters()) == len(BRACE_NAMES)
 
     # When each holder releases, exactly its own slot's waiter is dispatched, and claims
     for number, slot in enumerate(BRACE_NAMES):
-        task_id = f"{BRACE_NAMES[-number - 1]}#{number}"
+        task_id = hostile_task_id(number)
         deleted, woken = store.release_and_wake(held[slot], DISPATCH_LEASE)
         assert (deleted, [(w.task_id, w.payload) for w in woken]) == (1, [(task_id, f"payload of {task_id}".encode())])
         assert store.claim(task_id, woken[0].run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN

@@ -39,7 +39,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test
 
-from celery_caps.stores.base import ClaimOutcome, SlotStore, Woken, store_from_url
+from celery_caps.stores import store_from_url
+from celery_caps.stores.base import ClaimOutcome, ParkRequest, SlotStore, Woken
 from celery_caps.stores.memory import MemoryStore
 from tests.services import StoreKind, private_sql_url
 
@@ -302,15 +303,17 @@ class ParkingWalk:
         max_waiters = self.random.choice([3, 100, 100, 100])
         expected, got = self.both(
             lambda store: store.park(
-                slots,
-                task_id,
-                run_id,
-                WAITER_HOLDER,
-                PARK_LEASE_SECONDS,
-                payload=f"payload {task_id}".encode(),
-                first_deferred_at=first,
-                max_waiters=max_waiters,
-                task_name="model",
+                ParkRequest(
+                    slots,
+                    task_id,
+                    run_id,
+                    WAITER_HOLDER,
+                    PARK_LEASE_SECONDS,
+                    payload=f"payload {task_id}".encode(),
+                    first_deferred_at=first,
+                    max_waiters=max_waiters,
+                    task_name="model",
+                )
             )
         )
         assert got == expected, (slots, task_id)
@@ -322,14 +325,16 @@ class ParkingWalk:
         run_id = uuid.uuid4().hex
         expected, got = self.both(
             lambda store: store.park(
-                slots,
-                task_id,
-                run_id,
-                WAITER_HOLDER,
-                PARK_LEASE_SECONDS,
-                payload=None,
-                first_deferred_at=0.0,
-                max_waiters=100,
+                ParkRequest(
+                    slots,
+                    task_id,
+                    run_id,
+                    WAITER_HOLDER,
+                    PARK_LEASE_SECONDS,
+                    payload=None,
+                    first_deferred_at=0.0,
+                    max_waiters=100,
+                )
             )
         )
         assert got == expected, (slots, task_id)
@@ -342,14 +347,16 @@ class ParkingWalk:
         task_id, slots = self.random.choice(self.waiting), {self.space + "a": LIMITS["a"]}
         expected, got = self.both(
             lambda store: store.park(
-                slots,
-                task_id,
-                uuid.uuid4().hex,
-                WAITER_HOLDER,
-                PARK_LEASE_SECONDS,
-                payload=b"duplicate",
-                first_deferred_at=0.0,
-                max_waiters=100,
+                ParkRequest(
+                    slots,
+                    task_id,
+                    uuid.uuid4().hex,
+                    WAITER_HOLDER,
+                    PARK_LEASE_SECONDS,
+                    payload=b"duplicate",
+                    first_deferred_at=0.0,
+                    max_waiters=100,
+                )
             )
         )
         assert got == expected

@@ -20,27 +20,23 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from celery_caps.caps import MAX_SLOT_LENGTH
-from celery_caps.errors import StoreError
+from celery_caps.errors import StoreError, StoreInputError
 from celery_caps.stores.base import (
     DISPATCH_HOLDER,
-    PARK_ADMITTED,
-    PARK_FULL,
-    PARK_LIST_FULL,
-    PARK_PARKED,
-    PARK_ROOM,
-    PARK_WAITING,
     Admission,
     ClaimOutcome,
     HistoryEvent,
     Lease,
+    ParkingStore,
+    ParkOutcome,
+    ParkRequest,
     SlotStatus,
     SlotStore,
     Woken,
 )
-from tests.services import StoreKind, StoreTarget, own_status, require_service
+from tests.services import StoreKind, StoreTarget, own_status
 
 #: Long enough never to expire during a test, in seconds.
 LONG_LEASE = 120.0
@@ -202,198 +198,11 @@ def test_a_store_warmed_up_in_one_thread_serves_the_first_call_of_another(store:
     admit(store, {f"{prefix}a": 1}, f"{prefix}t2")
 
 
-@pytest.mark.postgres
-def test_postgresql_warm_up_connects_ahead_for_the_thread_that_runs_the_tasks(prefix: str) -> None:
-    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
-
-    store = SQLAlchemyStore(require_service("postgres"))
-    try:
-        # Given a warm-up from another thread: the schema checked, one hot-path connection open
-        warming = threading.Thread(target=store.warm_up)
-        warming.start()
-        warming.join(30)
-        driver = store._driver_connections()
-        assert driver is not None
-        assert len(driver._open) == 1
-        assert store._schema_ready
-
-        # When the task thread admits, releases and admits again
-        admit(store, {f"{prefix}a": 1}, f"{prefix}t1")
-        store.release(admit(store, {f"{prefix}b": 1}, f"{prefix}t2"))
-
-        # Then it used that connection, and opened none of its own
-        assert len(driver._open) == 1
-        assert driver._spares == []
-        # A second warm-up opens a spare again, for the next thread
-        store.warm_up()
-        assert len(driver._open) == 2
-    finally:
-        with store.engine.begin() as connection:
-            connection.execute(sa.text("DELETE FROM concurrency_slots WHERE slot LIKE :own"), {"own": f"{prefix}%"})
-        store.close()
-
-
-@pytest.mark.postgres
-def test_postgresql_warm_up_for_a_pool_process_connects_each_of_its_threads_and_its_renewals(prefix: str) -> None:
-    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
-
-    store = SQLAlchemyStore(require_service("postgres"))
-    try:
-        # Given a pool process's warm-up, from a thread of its own
-        warming = threading.Thread(target=lambda: store.warm_up(threads=2, renewals=True))
-        warming.start()
-        warming.join(30)
-        driver = store._driver_connections()
-        assert driver is not None
-        assert len(driver._spares) == 2
-        spares = {fairy.driver_connection.info.backend_pid for fairy in driver._spares}
-        assert store.engine.pool.checkedin() == 1  # type: ignore[attr-defined]
-
-        # When the task thread admits and another thread (its background one) releases,
-        # and the renewals run
-        run_id = admit(store, {f"{prefix}a": 1}, f"{prefix}t1")
-        releasing = threading.Thread(target=lambda: store.release(run_id))
-        releasing.start()
-        releasing.join(30)
-        assert store.renew([run_id], LONG_LEASE) == {}
-
-        # Then each used a connection opened ahead of it, and none connected
-        assert driver._spares == []
-        assert {fairy.driver_connection.info.backend_pid for fairy in driver._open} == spares
-        assert store.engine.pool.checkedin() == 1  # type: ignore[attr-defined]
-        # And a warm-up again (a second call) opens spares for the threads to come only
-        store.warm_up(threads=1)
-        assert len(driver._spares) == 1 and len(driver._open) == 3
-    finally:
-        with store.engine.begin() as connection:
-            connection.execute(sa.text("DELETE FROM concurrency_slots WHERE slot LIKE :own"), {"own": f"{prefix}%"})
-        store.close()
-
-
-@pytest.mark.postgres
-def test_postgresql_warm_up_rehearses_the_hot_path_in_a_transaction_it_rolls_back(prefix: str) -> None:
-    from celery_caps.stores.sqlalchemy import WARM_UP_SLOT_PREFIX, SQLAlchemyStore
-
-    store = SQLAlchemyStore(require_service("postgres"))
-    try:
-        # When a store warms up (its functions called once each on a slot of its own)
-        store.warm_up()
-
-        # Then its spare connection's last statement ended that transaction: nothing is left
-        # open (locks, a held-back vacuum) and nothing of the rehearsal was committed
-        driver = store._driver_connections()
-        assert driver is not None and len(driver._spares) == 1
-        backend = driver._spares[0].driver_connection.info.backend_pid
-        own = {"own": f"{WARM_UP_SLOT_PREFIX}%"}
-        with store.engine.connect() as connection:
-            state, query = connection.execute(
-                sa.text("SELECT state, query FROM pg_stat_activity WHERE pid = :pid"), {"pid": backend}
-            ).one()
-            assert (state, query) == ("idle", "ROLLBACK")
-            for table in ("concurrency_slots", "concurrency_waiters"):
-                left = connection.execute(sa.text(f"SELECT count(*) FROM {table} WHERE slot LIKE :own"), own)
-                assert left.scalar() == 0, table
-
-        # And the task thread then admits, parks and hands over on that connection
-        run_id = admit(store, {f"{prefix}a": 1}, f"{prefix}t1")
-        payload = {"payload": b"m", "first_deferred_at": time.time(), "max_waiters": 10}
-        parked = store.park({f"{prefix}a": 1}, f"{prefix}t2", new_run_id(), HOLDER, LONG_LEASE, **payload)
-        assert parked == PARK_PARKED
-        _deleted, woken = store.release_and_wake(run_id, LONG_LEASE)
-        assert [waiter.task_id for waiter in woken] == [f"{prefix}t2"]
-        assert len(driver._open) == 1
-    finally:
-        with store.engine.begin() as connection:
-            for table in ("concurrency_slots", "concurrency_waiters"):
-                connection.execute(sa.text(f"DELETE FROM {table} WHERE slot LIKE :own"), {"own": f"{prefix}%"})
-        store.close()
-
-
-@pytest.mark.postgres
-def test_postgresql_hands_over_without_waiting_for_the_wal_flush_but_parks_and_admits_durably(prefix: str) -> None:
-    from celery_caps.stores.sqlalchemy import (
-        POSTGRESQL_ACQUIRE_FUNCTION,
-        POSTGRESQL_PARK_FUNCTION,
-        POSTGRESQL_RELEASE_AND_WAKE_FUNCTION,
-        SQLAlchemyStore,
-    )
-
-    store = SQLAlchemyStore(require_service("postgres"))
-    slots, limits = [f"{prefix}a"], [1]
-    calls = {
-        # (Each in a transaction rolled back: nothing is kept.)
-        POSTGRESQL_ACQUIRE_FUNCTION: (slots, limits, f"{prefix}t1", new_run_id(), HOLDER, LONG_LEASE, "t"),
-        POSTGRESQL_PARK_FUNCTION: (
-            slots,
-            limits,
-            f"{prefix}t2",
-            new_run_id(),
-            HOLDER,
-            LONG_LEASE,
-            "t",
-            b"m",
-            0.0,
-            10,
-            True,
-        ),
-        POSTGRESQL_RELEASE_AND_WAKE_FUNCTION: (new_run_id(), LONG_LEASE),
-    }
-    try:
-        store.status()  # creates the functions
-        committed_with = {}
-        with store.engine.connect() as connection:
-            for function, arguments in calls.items():
-                with connection.begin() as transaction:
-                    placeholders = ", ".join(f":a{index}" for index in range(len(arguments)))
-                    params = {f"a{index}": value for index, value in enumerate(arguments)}
-                    connection.execute(sa.text(f"SELECT * FROM {function}({placeholders})"), params).all()
-                    # How the transaction that called it will commit
-                    committed_with[function] = connection.execute(sa.text("SHOW synchronous_commit")).scalar()
-                    transaction.rollback()
-            assert connection.execute(sa.text("SHOW synchronous_commit")).scalar() == "on"
-        # A release (and its hand-over) skips the flush; admission and park wait for it
-        assert committed_with == {
-            POSTGRESQL_ACQUIRE_FUNCTION: "on",
-            POSTGRESQL_PARK_FUNCTION: "on",
-            POSTGRESQL_RELEASE_AND_WAKE_FUNCTION: "off",
-        }
-    finally:
-        store.close()
-
-
-@pytest.mark.postgres
-def test_a_warm_up_that_fails_midway_closes_its_connection_and_raises_a_store_error(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
-
-    store = SQLAlchemyStore(require_service("postgres"))
-    try:
-        # Given a rehearsal whose second statement fails on the server
-        def failing_rehearsal(driver: Any) -> None:
-            driver.execute("SELECT 1", {})
-            driver.execute("SELECT no_such_column FROM concurrency_slots", {})
-
-        monkeypatch.setattr(store, "_rehearse_hot_path", failing_rehearsal)
-
-        # Then warming up raises a StoreError, and keeps no connection inside the failed transaction
-        with pytest.raises(StoreError, match="warming up failed"):
-            store.warm_up()
-        driver = store._driver_connections()
-        assert driver is not None
-        assert driver._spares == [] and driver._open == []
-        monkeypatch.undo()
-        # And the next call connects afresh
-        assert store.release(new_run_id()) == 0
-    finally:
-        store.close()
-
-
 def test_warming_up_an_unreachable_store_raises_a_store_error_naming_no_password() -> None:
-    from celery_caps.stores.sqlalchemy import SQLAlchemyStore
+    from celery_caps.stores import store_from_url
 
     # Nothing listens on port 1 of this machine
-    store = SQLAlchemyStore("postgresql+psycopg://caps:secret-pw@127.0.0.1:1/test")
+    store = store_from_url("postgresql+psycopg://caps:secret-pw@127.0.0.1:1/test")
     try:
         with pytest.raises(StoreError) as raised:
             store.warm_up()
@@ -730,6 +539,109 @@ def test_task_ids_that_differ_only_in_case_spaces_or_accents_are_different_tasks
     assert store.release_task(task_ids[0]) == 2
     assert sorted(lease.task_id for lease in store.leases(slot)) == sorted(task_ids[1:])
     assert store.leases(single) == []
+
+
+# -- input at the edges: every store alike -------------------------------------------
+#
+# The checks run once, above the stores (``celery_caps.stores.checks``): a value no store
+# can keep faithfully is refused with StoreInputError naming it, before any store is
+# touched, and an unreachable store is a StoreError, never a StoreInputError.
+
+LONE_SURROGATE = "\ud800"
+
+
+def bad_calls(store: SlotStore, prefix: str) -> dict[str, tuple[Callable[[], Any], str]]:
+    """Calls every store must refuse: name -> (the call, a fragment of the message naming the value)."""
+    slot = f"{prefix}s"
+    calls: dict[str, tuple[Callable[[], Any], str]] = {
+        "limit 0": (lambda: store.acquire({slot: 0}, f"{prefix}t", new_run_id(), HOLDER, LONG_LEASE), "got 0"),
+        "limit -1": (lambda: store.acquire({slot: -1}, f"{prefix}t", new_run_id(), HOLDER, LONG_LEASE), "got -1"),
+        "limit True": (lambda: store.acquire({slot: True}, f"{prefix}t", new_run_id(), HOLDER, LONG_LEASE), "True"),
+        "nan lease": (lambda: store.acquire({slot: 1}, f"{prefix}t", new_run_id(), HOLDER, float("nan")), "nan"),
+        "infinite lease": (lambda: store.acquire({slot: 1}, f"{prefix}t", new_run_id(), HOLDER, float("inf")), "inf"),
+        "negative lease": (lambda: store.acquire({slot: 1}, f"{prefix}t", new_run_id(), HOLDER, -1.0), "-1.0"),
+        "empty slot name": (lambda: store.acquire({"": 1}, f"{prefix}t", new_run_id(), HOLDER, LONG_LEASE), "''"),
+        "NUL in a slot name": (
+            lambda: store.acquire({slot + "\x00": 1}, f"{prefix}t", new_run_id(), HOLDER, LONG_LEASE),
+            "\\x00",
+        ),
+        "surrogate task id": (
+            lambda: store.acquire({slot: 1}, prefix + LONE_SURROGATE, new_run_id(), HOLDER, LONG_LEASE),
+            "\\ud800",
+        ),
+        "task id over 255": (
+            lambda: store.acquire({slot: 1}, prefix + "t" * 256, new_run_id(), HOLDER, LONG_LEASE),
+            "255",
+        ),
+        "renew a string": (lambda: store.renew("run-1", 30.0), "'run-1'"),
+        "renew a nan lease": (lambda: store.renew([new_run_id()], float("nan")), "nan"),
+        "release_task surrogate": (lambda: store.release_task(prefix + LONE_SURROGATE), "\\ud800"),
+        "release_holder surrogate": (lambda: store.release_holder(f"{prefix}t", LONE_SURROGATE), "\\ud800"),
+        "leases surrogate": (lambda: store.leases(prefix + LONE_SURROGATE), "\\ud800"),
+        "prune surrogate": (lambda: store.prune(prefix + LONE_SURROGATE), "\\ud800"),
+        "history surrogate": (lambda: store.history(0.0, task_id=prefix + LONE_SURROGATE), "\\ud800"),
+        "history nan": (lambda: store.history(float("nan")), "nan"),
+    }
+    if isinstance(store, ParkingStore):
+        calls |= {
+            "waiters surrogate": (lambda: store.waiters(prefix + LONE_SURROGATE), "\\ud800"),
+            "forget surrogate": (lambda: store.forget(prefix + LONE_SURROGATE, LONG_LEASE), "\\ud800"),
+            "readmit surrogate": (lambda: store.readmit(prefix + LONE_SURROGATE, LONG_LEASE), "\\ud800"),
+            "park limit 0": (
+                lambda: store.park(ParkRequest({slot: 0}, f"{prefix}t", new_run_id(), HOLDER, LONG_LEASE, 1.0, 10)),
+                "got 0",
+            ),
+            "park nan first deferral": (
+                lambda: store.park(
+                    ParkRequest({slot: 1}, f"{prefix}t", new_run_id(), HOLDER, LONG_LEASE, float("nan"), 10)
+                ),
+                "nan",
+            ),
+            "claim surrogate": (
+                lambda: store.claim(prefix + LONE_SURROGATE, new_run_id(), HOLDER, LONG_LEASE),
+                "\\ud800",
+            ),
+        }
+    return calls
+
+
+def test_bad_input_is_refused_naming_the_value_and_touches_nothing(store: SlotStore, prefix: str) -> None:
+    # Given a slot held by a task, and a waiter where the store has a waiting list
+    slot = f"{prefix}s"
+    held = admit(store, {slot: 1}, f"{prefix}holder")
+    if isinstance(store, ParkingStore):
+        assert park(store, {slot: 1}, f"{prefix}waiter", 1.0) == ParkOutcome.PARKED
+
+    def state() -> tuple[Any, ...]:
+        leases = [(lease.slot, lease.task_id, lease.run_id, lease.holder) for lease in own_leases(store, prefix)]
+        return leases, own_status(store, prefix)
+
+    before = state()
+
+    # When each bad call is made
+    for name, (call, fragment) in bad_calls(store, prefix).items():
+        with pytest.raises(StoreInputError) as raised:
+            call()
+        # Then it is refused as bad input (a ValueError, never "the store is away"), naming the value
+        assert isinstance(raised.value, ValueError) and not isinstance(raised.value, StoreError), name
+        assert fragment in str(raised.value), (name, str(raised.value))
+
+    # ... and nothing of the store changed: the lease, the slot and the waiter are as they were
+    assert state() == before
+    assert [lease.run_id for lease in own_leases(store, prefix)] == [held]
+    if isinstance(store, ParkingStore):
+        assert listed(store, slot) == [(f"{prefix}waiter", False)]
+
+
+def test_no_slots_at_all_are_granted_at_once_and_take_nothing(store: SlotStore, prefix: str) -> None:
+    run_id = new_run_id()
+    assert store.acquire({}, f"{prefix}t", run_id, HOLDER, LONG_LEASE) == Admission(True)
+    assert store.renew([run_id], LONG_LEASE) == {}
+    assert store.release(run_id) == 0
+    if isinstance(store, ParkingStore):
+        assert park(store, {}, f"{prefix}t", 1.0) == ParkOutcome.ADMITTED
+        assert store.waiters() == [] or all(not w.task_id.startswith(prefix) for w in store.waiters())
+    assert own_leases(store, prefix) == []
 
 
 # -- many contenders at once ---------------------------------------------------------
@@ -1150,7 +1062,7 @@ def test_history_stays_within_its_age_and_size(store: SlotStore, store_kind: Sto
     assert store.history(0) == [*recent[2:], *newer]
 
 
-# -- park and wake: the waiting list (stores with supports_parking) -----------------
+# -- park and wake: the waiting list (a ParkingStore) -----------------------------------
 #
 # The entry states and the claim's decisions are those of SlotStore.claim's docstring and
 # docs/park.md; each test below names the row of that table it checks.
@@ -1159,7 +1071,7 @@ DISPATCH_LEASE = 30.0
 
 
 def parking_store(store: SlotStore) -> SlotStore:
-    if not store.supports_parking:
+    if not isinstance(store, ParkingStore):
         pytest.skip(f"{type(store).__name__} has no waiting list (park falls back to backoff)")
     return store
 
@@ -1175,10 +1087,10 @@ def park(
 ) -> str:
     """Park ``task_id`` (its payload: ``b"payload of <task id>"``, or none)."""
     payload = f"payload of {task_id}".encode() if with_payload else None
-    return store.park(
+    return store.park(ParkRequest(
         slots, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=payload,
         first_deferred_at=first, max_waiters=max_waiters, task_name="t.parked",
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def listed(store: SlotStore, slot: str) -> list[tuple[str, bool]]:
@@ -1190,7 +1102,7 @@ def dispatch_one(store: SlotStore, slot: str, task_id: str, lease: float = DISPA
     """Park ``task_id`` behind a running task of ``slot`` (limit 1), release that task: the
     waiter's dispatch, returned."""
     running = admit(store, {slot: 1}, f"{task_id}-before")
-    assert park(store, {slot: 1}, task_id, 1.0) == PARK_PARKED
+    assert park(store, {slot: 1}, task_id, 1.0) == ParkOutcome.PARKED
     _, [woken] = store.release_and_wake(running, lease)
     assert woken.task_id == task_id and not woken.readmit
     return woken
@@ -1199,34 +1111,25 @@ def dispatch_one(store: SlotStore, slot: str, task_id: str, lease: float = DISPA
 def test_park_admits_when_there_is_room_and_parks_when_full(store: SlotStore, prefix: str) -> None:
     store = parking_store(store)
     slot = f"{prefix}s"
-    assert park(store, {slot: 1}, f"{prefix}a", 1.0) == PARK_ADMITTED
+    assert park(store, {slot: 1}, f"{prefix}a", 1.0) == ParkOutcome.ADMITTED
     # Full, without a message to park: nothing is stored (the caller builds one and parks)
-    assert park(store, {slot: 1}, f"{prefix}b", 2.0, with_payload=False) == PARK_FULL
+    assert park(store, {slot: 1}, f"{prefix}b", 2.0, with_payload=False) == ParkOutcome.FULL
     assert store.waiters(slot) == []
-    assert park(store, {slot: 1}, f"{prefix}b", 2.0) == PARK_PARKED
+    assert park(store, {slot: 1}, f"{prefix}b", 2.0) == ParkOutcome.PARKED
     # A task that waits already changes nothing: its entry answers for it (room or not)
-    assert park(store, {slot: 1}, f"{prefix}b", 2.0) == PARK_WAITING
-    assert park(store, {slot: 1}, f"{prefix}b", 2.0, with_payload=False) == PARK_WAITING
+    assert park(store, {slot: 1}, f"{prefix}b", 2.0) == ParkOutcome.WAITING
+    assert park(store, {slot: 1}, f"{prefix}b", 2.0, with_payload=False) == ParkOutcome.WAITING
     assert listed(store, slot) == [(f"{prefix}b", False)]
     assert [lease.task_id for lease in store.leases(slot)] == [f"{prefix}a"]
 
 
-def test_a_task_being_sent_parks_only_when_full_and_never_takes_a_slot(store: SlotStore, prefix: str) -> None:
+def test_a_task_parked_for_one_full_slot_waits_on_every_slot_it_needs_and_takes_none(
+    store: SlotStore, prefix: str
+) -> None:
     store = parking_store(store)
     slot, other = f"{prefix}s", f"{prefix}other"
-
-    def park_when_sent(task_id: str) -> str:
-        return store.park(
-            {slot: 1, other: 5}, task_id, new_run_id(), HOLDER, LONG_LEASE, payload=b"message",
-            first_deferred_at=1.0, max_waiters=100, task_name="t.sent", admit=False,
-        )  # fmt: skip
-
-    # With room: nothing is taken, nothing stored (the task goes to the broker)
-    assert park_when_sent(f"{prefix}a") == PARK_ROOM
-    assert store.leases(slot) == [] and store.leases(other) == [] and store.waiters(slot) == []
-    # Full: it waits on every slot it needs, and takes none
     admit(store, {slot: 1}, f"{prefix}running")
-    assert park_when_sent(f"{prefix}b") == PARK_PARKED
+    assert park(store, {slot: 1, other: 5}, f"{prefix}b", 1.0) == ParkOutcome.PARKED
     assert [(w.slot, w.task_id) for w in store.waiters(slot) + store.waiters(other)] == [
         (slot, f"{prefix}b"),
         (other, f"{prefix}b"),
@@ -1240,7 +1143,7 @@ def test_a_release_hands_the_slot_to_the_oldest_waiter_which_claims_it(store: Sl
     holder_run = admit(store, {slot: 1}, f"{prefix}running")
     # Given waiters parked out of first-deferral order
     for task, first in (("late", 30.0), ("early", 10.0), ("middle", 20.0)):
-        assert park(store, {slot: 1}, f"{prefix}{task}", first) == PARK_PARKED
+        assert park(store, {slot: 1}, f"{prefix}{task}", first) == ParkOutcome.PARKED
     assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}{t}" for t in ("early", "middle", "late")]
 
     # When the running task releases
@@ -1273,8 +1176,8 @@ def test_a_waiter_with_a_full_slot_is_passed_over_not_blocking_the_rest(store: S
     provider_run = admit(store, {provider: 1}, f"{prefix}p")
     admit(store, {tenant: 1}, f"{prefix}t")
     # The oldest waiter needs the tenant slot too, which stays full
-    assert park(store, {provider: 1, tenant: 1}, f"{prefix}both", 1.0) == PARK_PARKED
-    assert park(store, {provider: 1}, f"{prefix}provider-only", 2.0) == PARK_PARKED
+    assert park(store, {provider: 1, tenant: 1}, f"{prefix}both", 1.0) == ParkOutcome.PARKED
+    assert park(store, {provider: 1}, f"{prefix}provider-only", 2.0) == ParkOutcome.PARKED
 
     _, woken = store.release_and_wake(provider_run, DISPATCH_LEASE)
 
@@ -1295,7 +1198,7 @@ def test_no_key_starves_under_a_global_cap_with_uneven_load(store: SlotStore, pr
     ]
     for order, (key, number) in enumerate(tasks):
         slots = {provider: 2, f"{prefix}tenant:{key}": 1}
-        assert park(store, slots, f"{prefix}{key}{number}", float(order)) == PARK_PARKED
+        assert park(store, slots, f"{prefix}{key}{number}", float(order)) == ParkOutcome.PARKED
     served: list[str] = []
     running = list(runs)
     while running:
@@ -1359,7 +1262,7 @@ def test_a_copy_whose_task_waits_or_was_dispatched_to_another_run_ends(store: Sl
     store.sweep()
     other = f"{prefix}u"
     running = admit(store, {slot: 1}, f"{other}-before")
-    assert park(store, {slot: 1}, other, 5.0) == PARK_PARKED
+    assert park(store, {slot: 1}, other, 5.0) == ParkOutcome.PARKED
     assert store.claim(other, stale, HOLDER, LONG_LEASE) is ClaimOutcome.END
     assert listed(store, slot) == [(other, False)]
     assert [lease.run_id for lease in store.leases(slot)] == [running]
@@ -1416,7 +1319,7 @@ def test_an_unclaimed_dispatch_is_dispatched_again_and_the_late_copy_ends_even_a
     assert claimed is ClaimOutcome.ADMIT
     # A new copy of the task without a dispatch (a retry) parks afresh: the tombstone gives way
     busy = admit(store, {slot: 1}, f"{prefix}busy")
-    assert park(store, {slot: 1}, first.task_id, 9.0) == PARK_PARKED
+    assert park(store, {slot: 1}, first.task_id, 9.0) == ParkOutcome.PARKED
     assert listed(store, slot) == [(first.task_id, False)]
     # ... the old copy still ends (the list answers), and once this new entry is claimed after a
     # single dispatch, it leaves a tombstone all the same: its count of dispatches carried over
@@ -1470,9 +1373,9 @@ def test_waiting_lists_are_bounded(store: SlotStore, prefix: str) -> None:
     store = parking_store(store)
     slot = f"{prefix}s"
     admit(store, {slot: 1}, f"{prefix}running")
-    assert park(store, {slot: 1}, f"{prefix}w1", 1.0, max_waiters=2) == PARK_PARKED
-    assert park(store, {slot: 1}, f"{prefix}w2", 5.0, max_waiters=2) == PARK_PARKED
-    assert park(store, {slot: 1}, f"{prefix}w3", 6.0, max_waiters=2) == PARK_LIST_FULL
+    assert park(store, {slot: 1}, f"{prefix}w1", 1.0, max_waiters=2) == ParkOutcome.PARKED
+    assert park(store, {slot: 1}, f"{prefix}w2", 5.0, max_waiters=2) == ParkOutcome.PARKED
+    assert park(store, {slot: 1}, f"{prefix}w3", 6.0, max_waiters=2) == ParkOutcome.LIST_FULL
     assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}w1", f"{prefix}w2"]
 
 
@@ -1571,7 +1474,7 @@ def test_forget_takes_a_revoked_task_off_the_waiting_list_and_frees_its_dispatch
     slot = f"{prefix}s"
     running = admit(store, {slot: 1}, f"{prefix}running")
     for order, task in enumerate(("revoked-waiting", "revoked-dispatched", "next")):
-        assert park(store, {slot: 1}, f"{prefix}{task}", float(order)) == PARK_PARKED
+        assert park(store, {slot: 1}, f"{prefix}{task}", float(order)) == ParkOutcome.PARKED
 
     # A task revoked while it waits leaves the list; nothing is freed
     assert store.forget(f"{prefix}revoked-waiting", DISPATCH_LEASE) == (1, [])
@@ -1643,9 +1546,9 @@ def test_a_release_of_several_slots_serves_the_waiters_of_all_of_them_oldest_fir
     both = {first_slot: 1, second_slot: 1}
     run = admit(store, both, f"{prefix}running")
     # Given waiters of either slot and of both, parked out of order
-    assert park(store, {first_slot: 1}, f"{prefix}a-only", 2.0) == PARK_PARKED
-    assert park(store, both, f"{prefix}both-late", 3.0) == PARK_PARKED
-    assert park(store, {second_slot: 1}, f"{prefix}b-only", 1.0) == PARK_PARKED
+    assert park(store, {first_slot: 1}, f"{prefix}a-only", 2.0) == ParkOutcome.PARKED
+    assert park(store, both, f"{prefix}both-late", 3.0) == ParkOutcome.PARKED
+    assert park(store, {second_slot: 1}, f"{prefix}b-only", 1.0) == ParkOutcome.PARKED
 
     # When the run holding both slots releases
     deleted, woken = store.release_and_wake(run, DISPATCH_LEASE)
@@ -1677,11 +1580,11 @@ def test_forget_frees_the_slots_a_task_took_when_it_was_sent(store: SlotStore, p
     store = parking_store(store)
     slot = f"{prefix}s"
     sent = f"{prefix}sent"
-    assert store.park(
+    assert store.park(ParkRequest(
         {slot: 1}, sent, new_run_id(), DISPATCH_HOLDER, DISPATCH_LEASE, payload=b"m", first_deferred_at=1.0,
         max_waiters=100,
-    ) == PARK_ADMITTED  # fmt: skip
-    assert park(store, {slot: 1}, f"{prefix}next", 2.0) == PARK_PARKED
+    )) == ParkOutcome.ADMITTED  # fmt: skip
+    assert park(store, {slot: 1}, f"{prefix}next", 2.0) == ParkOutcome.PARKED
 
     removed, woken = store.forget(sent, DISPATCH_LEASE)
 

@@ -1,0 +1,245 @@
+"""What every ``celery caps`` command shares: the app's store and caps as an :class:`Operator`,
+errors as one line, durations, clocks and the lease and waiter tables.
+
+Imported by every ``celery`` invocation (through :mod:`celery_caps.cli`), so only click at
+the top; rich and the stores are imported where used.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from ..settings import CapsSettings
+    from ..stores.base import Lease, SlotStatus, SlotStore, Waiter
+
+from ..stores.base import ParkingStore
+
+_T = TypeVar("_T")
+
+
+# -- plumbing -------------------------------------------------------------------------
+
+
+def one_line(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def guard(work: Callable[[], _T]) -> _T:
+    """Run ``work``; a celery-caps error becomes a one-line ``Error: ...`` and exit status 1."""
+    from ..errors import CapsError
+
+    try:
+        return work()
+    except CapsError as exc:
+        raise click.ClickException(one_line(str(exc))) from exc
+
+
+@dataclass(frozen=True)
+class CapInfo:
+    """A cap as the app's registered tasks declare it."""
+
+    name: str
+    limits: tuple[int, ...]
+    keyed: bool
+    tasks: tuple[str, ...]
+
+    @property
+    def limit(self) -> int:
+        return min(self.limits)
+
+
+@dataclass
+class Operator:
+    """What a command works with: the app, its settings, its store, its registered caps."""
+
+    app: Celery
+    settings: CapsSettings
+    store: SlotStore
+    caps: dict[str, CapInfo] = field(default_factory=dict)
+
+    def limit_of(self, slot: str, stored: int | None) -> int | None:
+        """The registered limit of ``slot``'s cap, else the limit the store last saw."""
+        info = self.caps.get(slot.partition(":")[0])
+        return info.limit if info is not None else stored
+
+    def statuses(self) -> list[SlotStatus]:
+        return guard(self.store.status)
+
+    def waiters(self, slot: str | None = None) -> list[Waiter]:
+        """The waiting list (of one slot name, if given); empty for a store without one."""
+        store = self.store
+        if not isinstance(store, ParkingStore):
+            return []
+        return guard(lambda: store.waiters(slot))
+
+
+def registered_caps(app: Celery) -> dict[str, CapInfo]:
+    """Every cap the app's tasks declare, by name."""
+    try:
+        app.loader.import_default_modules()  # tasks in `include`d modules register now
+    except Exception as exc:  # a broken project module must not hide the store's state
+        click.echo(f"warning: could not import the app's task modules: {one_line(str(exc))}", err=True)
+    found: dict[str, tuple[set[int], bool, list[str]]] = {}
+    for task_name, task in sorted(app.tasks.items()):
+        for cap in getattr(task, "_caps", ()):
+            limits, keyed, tasks = found.setdefault(cap.name, (set(), False, []))
+            limits.add(cap.limit)
+            tasks.append(task_name)
+            found[cap.name] = (limits, keyed or cap.key is not None, tasks)
+    return {
+        name: CapInfo(name, tuple(sorted(limits)), keyed, tuple(tasks))
+        for name, (limits, keyed, tasks) in sorted(found.items())
+    }
+
+
+def operator_for(ctx: click.Context) -> Operator:
+    from ..settings import CapsSettings
+    from ..stores import store_from_url
+
+    app = getattr(ctx.obj, "app", None)  # celery's CLIContext
+    if app is None:
+        from celery import current_app
+
+        app = current_app._get_current_object()
+
+    def build() -> Operator:
+        settings = CapsSettings.from_conf(app.conf)
+        store = store_from_url(settings.require_url(), create_schema=settings.create_schema)
+        return Operator(app, settings, store, registered_caps(app))
+
+    operator = guard(build)
+    if isinstance(operator.settings.url, str):  # a store we built; never close one the app handed us
+        ctx.call_on_close(operator.store.close)
+    return operator
+
+
+def new_console() -> Any:
+    from rich.console import Console
+
+    # sys.stdout at call time: click's test runner swaps it.
+    return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=terminal_width())
+
+
+def terminal_width() -> int | None:
+    # A pipe or a test runner has no terminal: wide enough for every column.
+    return None if sys.stdout.isatty() else 160
+
+
+def echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=False))
+
+
+def duration(seconds: float | None) -> str:
+    """``42s``, ``3m05s``, ``2h10m``; ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    sign, seconds = ("-" if seconds < 0 else ""), abs(seconds)
+    if seconds < 10:
+        return f"{sign}{seconds:.1f}s"
+    if seconds < 60:
+        return f"{sign}{seconds:.0f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{sign}{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{sign}{hours}h{minutes:02d}m"
+    return f"{sign}{hours // 24}d{hours % 24:02d}h"
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``10m``, ``2h``, ``1d`` -> seconds."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not match:
+        raise click.BadParameter(f"{text!r} is not a duration (examples: 90s, 10m, 2h, 1d)")
+    return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
+
+
+def clock(epoch: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(epoch))
+
+
+def split_holder(holder: str) -> tuple[str, str]:
+    node, separator, pid = holder.rpartition("/")
+    return (node, pid) if separator else (holder, "")
+
+
+# -- leases and waiters as JSON and tables ---------------------------------------------
+
+
+def lease_json(lease: Lease) -> dict[str, Any]:
+    node, pid = split_holder(lease.holder)
+    return {
+        "slot": lease.slot,
+        "task_id": lease.task_id,
+        "task_name": lease.task_name,
+        "worker": node,
+        "pid": int(pid) if pid.isdigit() else None,
+        "age_seconds": lease.age,
+        "expires_in_seconds": lease.expires_in,
+        "run_id": lease.run_id,
+    }
+
+
+def lease_table(leases: Iterable[Lease], title: str | None = None) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in ("slot", "task id", "task", "worker", "pid"):
+        table.add_column(column)
+    table.add_column("age", justify="right")
+    table.add_column("expires in", justify="right")
+    for lease in leases:
+        node, pid = split_holder(lease.holder)
+        expires = duration(lease.expires_in) if lease.expires_in > 0 else f"expired {duration(-lease.expires_in)} ago"
+        table.add_row(lease.slot, lease.task_id, lease.task_name or "?", node, pid, duration(lease.age), expires)
+    return table
+
+
+def waiter_json(waiter: Waiter, now: float) -> dict[str, Any]:
+    return {
+        "slot": waiter.slot,
+        "position": waiter.position,
+        "task_id": waiter.task_id,
+        "task_name": waiter.task_name,
+        "first_deferred_at": waiter.first_deferred_at,
+        "waited_seconds": max(now - waiter.first_deferred_at, 0.0),
+        "parked_seconds": waiter.age,
+        "state": "dispatched" if waiter.dispatched else "waiting",
+    }
+
+
+def waiter_table(waiters: Iterable[Waiter], title: str | None = None) -> Any:
+    from rich.table import Table
+
+    now = time.time()
+    table = Table(title=title, title_justify="left")
+    table.add_column("slot")
+    table.add_column("#", justify="right")
+    for column in ("task id", "task"):
+        table.add_column(column)
+    table.add_column("waited", justify="right")
+    table.add_column("parked", justify="right")
+    table.add_column("state")
+    for waiter in waiters:
+        table.add_row(
+            waiter.slot,
+            str(waiter.position),
+            waiter.task_id,
+            waiter.task_name or "?",
+            duration(max(now - waiter.first_deferred_at, 0.0)),
+            duration(waiter.age),
+            "dispatched" if waiter.dispatched else "waiting",
+        )
+    return table

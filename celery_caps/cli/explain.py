@@ -1,0 +1,210 @@
+"""``celery caps explain``: why a task waits or waited, from the store's leases and waiting
+list, its recorded history and the result backend."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from .common import Operator, clock, duration, guard, lease_json, new_console, one_line
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+
+def backend_view(app: Celery, task_id: str) -> dict[str, Any] | None:
+    """The result backend's state of ``task_id`` (None without a backend or on error)."""
+    from celery.backends.base import DisabledBackend
+
+    if isinstance(app.backend, DisabledBackend):
+        return None
+    try:
+        meta = app.backend.get_task_meta(task_id)
+    except Exception as exc:
+        click.echo(f"warning: result backend not read: {one_line(str(exc))}", err=True)
+        return None
+    state = meta.get("status")
+    if state in (None, "PENDING"):
+        return None
+    info = meta.get("result")
+    info = info if isinstance(info, dict) else None
+    return {"state": state, "name": meta.get("name") or (info or {}).get("task_name"), "meta": info}
+
+
+def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
+    """Everything known about why ``task_id`` waits or waited: see ``celery caps explain``."""
+    from ..stores.base import DISPATCH_HOLDER
+
+    statuses = {status.slot: status for status in operator.statuses()}
+    all_leases = guard(operator.store.leases)
+    # A dispatch lease reserves a woken waiter's slot until it arrives: it does not run yet.
+    live = [lease for lease in all_leases if lease.task_id == task_id and lease.expires_in > 0]
+    held = [lease for lease in live if lease.holder != DISPATCH_HOLDER]
+    # Dispatch leases without a waiting entry: the task took its slots when it was sent.
+    reserved = [lease for lease in live if lease.holder == DISPATCH_HOLDER]
+    all_waiters = operator.waiters()
+    parked = [waiter for waiter in all_waiters if waiter.task_id == task_id]
+    in_line = {waiter.slot: 0 for waiter in parked}
+    for waiter in all_waiters:
+        if waiter.slot in in_line:
+            in_line[waiter.slot] += 1
+    from ..errors import StoreError
+
+    since = time.time() - (operator.settings.history_seconds or 7 * 86400)
+    try:
+        events = operator.store.history(since, task_id=task_id)
+        history_note = None if operator.settings.history_seconds else "caps_history_seconds is not set in this app"
+    except StoreError as exc:
+        events, history_note = [], f"history unavailable: {one_line(str(exc))}"
+    backend = backend_view(operator.app, task_id)
+    deferred = [event for event in events if event.kind == "deferred"]
+    runs = [event for event in events if event.kind == "ran"]
+    names = [
+        *(lease.task_name for lease in held),
+        *(waiter.task_name for waiter in parked),
+        *(lease.task_name for lease in reserved),
+        *(event.task_name for event in reversed(events)),
+    ]
+    task_name = next((name for name in names if name), (backend or {}).get("name"))
+    needed: list[str] = []
+    if held:
+        needed = sorted({lease.slot for lease in held})
+    elif parked:
+        needed = sorted(in_line)
+    elif reserved:
+        needed = sorted({lease.slot for lease in reserved})
+    elif deferred:
+        needed = list(deferred[-1].slots)
+    elif backend and backend["meta"] and backend["meta"].get("slots"):
+        needed = list(backend["meta"]["slots"])
+    elif runs:
+        needed = list(runs[-1].slots)
+    elif task_name and task_name in operator.app.tasks:
+        task_caps = getattr(operator.app.tasks[task_name], "_caps", ())
+        needed = [cap.name + (":<key>" if cap.key else "") for cap in task_caps]
+
+    if held:
+        state = "running"
+    elif parked:
+        state = "dispatched" if any(waiter.dispatched for waiter in parked) else "parked"
+    elif reserved:
+        state = "dispatched"
+    elif backend and backend["state"] not in ("DEFERRED", "STARTED", "RECEIVED"):
+        state = f"finished ({backend['state']})"
+    elif (deferred and (not runs or deferred[-1].at > runs[-1].at)) or (backend and backend["state"] == "DEFERRED"):
+        state = "waiting"
+    elif runs:
+        state = "ran"
+    else:
+        state = "unknown"
+
+    slots = []
+    for slot in needed:
+        status = statuses.get(slot)
+        limit = operator.limit_of(slot, status.limit if status else None)
+        holders = status.holders if status else 0
+        slot_leases = [lease for lease in all_leases if lease.slot == slot and lease.expires_in > 0]
+        slots.append(
+            {
+                "slot": slot,
+                "limit": limit,
+                "holders": holders,
+                "full": limit is not None
+                and holders >= limit
+                and not any(lease.task_id == task_id for lease in slot_leases),
+                "held_by": [lease_json(lease) for lease in slot_leases if lease.task_id != task_id],
+            }
+        )
+    last_wait = deferred[-1] if deferred else None
+    meta = backend["meta"] if backend and backend["state"] == "DEFERRED" else None
+    first_deferred_at = (
+        (meta or {}).get("first_deferred_at")
+        or (min(waiter.first_deferred_at for waiter in parked) if parked else None)
+        or (deferred[0].at if deferred else None)
+    )
+    return {
+        "task_id": task_id,
+        "task_name": task_name,
+        "state": state,
+        "holds": [lease_json(lease) for lease in held],
+        "deferrals": max([last_wait.deferrals + 1 if last_wait else 0, (meta or {}).get("deferrals", 0)]),
+        "first_deferred_at": first_deferred_at,
+        "waited_seconds": max(time.time() - first_deferred_at, 0.0) if first_deferred_at and not held else None,
+        "parked": [
+            {
+                "slot": waiter.slot,
+                "position": waiter.position,
+                "waiters": in_line[waiter.slot],
+                "parked_seconds": waiter.age,
+                "dispatched": waiter.dispatched,
+            }
+            for waiter in parked
+        ],
+        "last_deferred_at": last_wait.at if last_wait else None,
+        "last_full_slots": list(last_wait.full_slots) if last_wait else list((meta or {}).get("full_slots", [])),
+        "next_attempt_at": (meta or {}).get("next_attempt_at"),
+        "runs": [
+            {"started_at": run.started_at, "ended_at": run.at, "holder": run.holder, "slots": list(run.slots)}
+            for run in runs
+        ],
+        "result_state": backend["state"] if backend else None,
+        "slots": slots,
+        "history_note": history_note,
+    }
+
+
+def print_explanation(report: Mapping[str, Any]) -> None:
+    console = new_console()
+    now = time.time()
+    name = f" ({report['task_name']})" if report["task_name"] else ""
+    console.print(f"[bold]task {report['task_id']}{name}[/]: {report['state']}")
+    if report["result_state"]:
+        console.print(f"  result backend state: {report['result_state']}")
+    if report["holds"]:
+        lease = report["holds"][0]
+        console.print(
+            f"  holds {', '.join(sorted({h['slot'] for h in report['holds']}))} on {lease['worker']} "
+            f"(pid {lease['pid']}) for {duration(lease['age_seconds'])}"
+        )
+    if report["parked"]:
+        waited = report["waited_seconds"]
+        since = f", waiting for {duration(waited)} since its first deferral" if waited is not None else ""
+        console.print(f"  in the waiting list{since}:")
+        for entry in report["parked"]:
+            console.print(
+                f"    {entry['slot']}: position {entry['position']} of {entry['waiters']} "
+                f"(in the list for {duration(entry['parked_seconds'])})"
+            )
+    if report["state"] == "dispatched":
+        console.print("  dispatched: its slots are reserved for it and its message is on the way")
+    if report["deferrals"]:
+        first = report["first_deferred_at"]
+        waited = f", first at {clock(first)} ({duration(now - first)} ago)" if first else ""
+        console.print(f"  put back {report['deferrals']} time(s){waited}")
+        if report["last_full_slots"]:
+            last = report["last_deferred_at"]
+            when = f" at {clock(last)}" if last else ""
+            console.print(f"  last put back{when}: full {', '.join(report['last_full_slots'])}")
+        if report["next_attempt_at"] and report["state"] == "waiting":
+            console.print(f"  next attempt around {clock(report['next_attempt_at'])}")
+    for run in report["runs"]:
+        console.print(
+            f"  ran {clock(run['started_at'])}-{clock(run['ended_at'])} "
+            f"({duration(run['ended_at'] - run['started_at'])}) on {run['holder']}"
+        )
+    if report["slots"]:
+        console.print("  needs:")
+        for slot in report["slots"]:
+            limit = slot["limit"] if slot["limit"] is not None else "?"
+            flag = " [bold red]FULL[/]" if slot["full"] else ""
+            console.print(f"    {slot['slot']}: {slot['holders']}/{limit} held{flag}")
+            for lease in slot["held_by"]:
+                console.print(
+                    f"      {lease['task_id']} {lease['task_name'] or '?'} on {lease['worker']}/{lease['pid']}, "
+                    f"age {duration(lease['age_seconds'])}, expires in {duration(lease['expires_in_seconds'])}"
+                )
+    if report["history_note"] and report["state"] in ("unknown", "waiting"):
+        console.print(f"  [dim]{report['history_note']}[/]")

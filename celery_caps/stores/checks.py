@@ -1,0 +1,97 @@
+"""The checks of what callers pass to a store, made once above every store.
+
+:class:`~celery_caps.stores.base.SlotStore` runs the check of a contract method before
+the store's own code (see its ``__init_subclass__``), so that every store refuses the
+same inputs the same way: with :class:`~celery_caps.errors.StoreInputError` naming the
+value, before anything reaches a driver, and never as a :class:`StoreError` (which
+means the store could not answer, and makes admission wait and try again).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from ..caps import MAX_SLOT_LENGTH
+from ..errors import StoreInputError
+
+#: Longest task id, run id or holder a store keeps, in characters.
+MAX_ID_LENGTH = 255
+
+# NUL and the other control characters, and lone surrogates: no store keeps them faithfully
+# (a lone surrogate cannot even be encoded), and none belongs in a name.
+_UNSTORABLE = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} chars)"
+
+
+def text(name: str, value: object, *, longest: int = MAX_ID_LENGTH) -> None:
+    """A task id, run id, holder or slot name: a non-empty string a store can keep."""
+    if not isinstance(value, str) or not value:
+        raise StoreInputError(f"{name} must be a non-empty string, got {_describe(value)}")
+    if len(value) > longest:
+        raise StoreInputError(f"{name} {_describe(value)} is longer than {longest} characters")
+    if _UNSTORABLE.search(value):
+        raise StoreInputError(f"{name} {_describe(value)} contains a control character or a lone surrogate")
+
+
+def optional_text(name: str, value: object) -> None:
+    if value is not None:
+        text(name, value, longest=MAX_SLOT_LENGTH)
+
+
+def slot(name: str, value: object) -> None:
+    text(name, value, longest=MAX_SLOT_LENGTH)
+
+
+def seconds(name: str, value: object, *, positive: bool = True) -> None:
+    """A duration or a time: a finite number (positive for a duration)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise StoreInputError(f"{name} must be a finite number of seconds, got {_describe(value)}")
+    if positive and value <= 0:
+        raise StoreInputError(f"{name} must be positive, got {_describe(value)}")
+
+
+def count(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise StoreInputError(f"{name} must be a positive integer, got {_describe(value)}")
+
+
+def names(name: str, values: object, check: Callable[[str, object], None] = text) -> None:
+    """A collection of strings (a string itself is not one: ``renew("run-1", ...)``)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Collection):
+        raise StoreInputError(f"{name} must be a collection of strings, got {_describe(values)}")
+    for value in values:
+        check(f"an element of {name}", value)
+
+
+def slots(value: object) -> None:
+    """Slot name -> limit (a positive integer)."""
+    if not isinstance(value, Mapping):
+        raise StoreInputError(f"slots must map slot names to limits, got {_describe(value)}")
+    for name, limit in value.items():
+        slot("a slot name", name)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise StoreInputError(f"slot {name!r}: its limit must be a positive integer, got {_describe(limit)}")
+
+
+def admission(
+    slots_: Mapping[str, int], task_id: str, run_id: str, holder: str, lease_seconds: float, task_name: Any = None
+) -> None:
+    slots(slots_)
+    text("task_id", task_id)
+    text("run_id", run_id)
+    text("holder", holder)
+    seconds("lease_seconds", lease_seconds)
+
+
+def history_events(events: Sequence[Any]) -> None:
+    for event in events:
+        text("an event's task_id", event.task_id)
+        names("an event's slots", event.slots, slot)
+        seconds("an event's time", event.at, positive=False)

@@ -1,0 +1,56 @@
+"""The SQL slot store: PostgreSQL, MySQL/MariaDB and SQLite through SQLAlchemy.
+
+Where to look:
+
+* :mod:`.schema`: the three tables (``metadata`` for your own migrations);
+* :mod:`.statements`: every SQL statement, by name;
+* :mod:`.dialects`: what differs between the databases, and their engines' options;
+* :mod:`.leases`: admission, renewal, release and the operators' reads, in portable SQL;
+* :mod:`.waitlist`: the waiting list of the park strategy, in portable SQL;
+* :mod:`.postgresql` and ``postgresql.sql``: PostgreSQL's admission, park, release and claim,
+  one round trip each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .schema import (
+    MAX_TASK_ID_LENGTH,
+    MAX_TASK_NAME_LENGTH,
+    SCHEMA_VERSION,
+    concurrency_slots,
+    concurrency_slots_history,
+    concurrency_waiters,
+    metadata,
+)
+from .waitlist import SQLStore
+
+__all__ = [
+    "MAX_TASK_ID_LENGTH",
+    "MAX_TASK_NAME_LENGTH",
+    "SCHEMA_VERSION",
+    "SQLStore",
+    "concurrency_slots",
+    "concurrency_slots_history",
+    "concurrency_waiters",
+    "metadata",
+    "sql_store",
+]
+
+
+def sql_store(target: Any, *, create_schema: bool = True) -> SQLStore:
+    """The SQL store for ``target`` (a URL or an ``Engine``): :class:`~.postgresql.PostgreSQLStore`
+    on PostgreSQL with psycopg, else the portable :class:`SQLStore`."""
+    from .dialects import create_engine
+
+    engine = create_engine(target) if isinstance(target, str) else target
+    if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg":
+        from .postgresql import PostgreSQLStore
+
+        store: SQLStore = PostgreSQLStore(engine, create_schema=create_schema)
+    else:
+        store = SQLStore(engine, create_schema=create_schema)
+    # An engine built here is the store's to dispose of.
+    store._owns_engine = isinstance(target, str)
+    return store

@@ -1,0 +1,201 @@
+"""What differs between the databases the SQL store runs on, one small object each.
+
+PostgreSQL runs at READ COMMITTED; MySQL/MariaDB connections this store creates run at
+READ COMMITTED too (its default REPEATABLE READ would count with the snapshot of the
+transaction's first read, not after the locks), and name columns are ``VARBINARY`` so that
+MySQL's case- and pad-insensitive collations cannot merge two slot names; SQLite uses WAL, a
+busy timeout and ``BEGIN IMMEDIATE`` so that concurrent worker processes on one machine
+serialise their writes (it has no ``FOR UPDATE``: the write lock is held already).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Engine
+
+from ...errors import ConfigurationError, MissingDependencyError
+from ..base import mask_url
+
+#: The drivers the SQL store is tested with, by backend (a URL naming another is told about them).
+TESTED_DRIVERS = {"postgresql": "psycopg", "mysql": "pymysql", "mariadb": "pymysql", "sqlite": "pysqlite"}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """One database's SQL where it differs."""
+
+    name: str
+    #: The store's clock, in seconds since the epoch (never the worker's).
+    now: str
+    #: Upsert the sentinel rows ``{values}`` and leave them locked by this transaction.
+    lock_sentinels: str
+    #: Insert (or, for a run admitted again to a slot whose lease it let expire, replace) leases.
+    insert_leases: str
+    #: Appended to a SELECT that locks its rows (nothing on SQLite).
+    for_update: str
+    #: The same, skipping rows another transaction holds (never waiting out of slot order).
+    for_update_skip_locked: str
+    #: Driver error codes worth a second try of the whole transaction (MySQL deadlocks, lock waits).
+    retryable_codes: frozenset[Any] = frozenset()
+    #: Whether a single statement runs in autocommit (no BEGIN and COMMIT round trips around it).
+    autocommit_single_statements: bool = False
+
+    def exact(self, value: str) -> str | bytes:
+        """A value for a name column through SQLAlchemy Core: bytes for MySQL's ``VARBINARY``."""
+        return value.encode("utf-8") if self.name == "mysql" else value
+
+
+_LEASE_COLUMNS = "(run_id, slot, task_id, holder, expires_at, task_name, acquired_at)"
+
+POSTGRESQL = Dialect(
+    name="postgresql",
+    now="CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)",
+    # ON CONFLICT DO UPDATE locks the existing row even when its WHERE is false, so an unchanged
+    # limit costs a lock, not a new row version.
+    lock_sentinels=(
+        "INSERT INTO concurrency_slots (run_id, slot, task_id, holder, slot_limit) VALUES {values} "
+        "ON CONFLICT (run_id, slot) DO UPDATE SET slot_limit = EXCLUDED.slot_limit "
+        "WHERE concurrency_slots.slot_limit IS DISTINCT FROM EXCLUDED.slot_limit"
+    ),
+    insert_leases=(
+        f"INSERT INTO concurrency_slots {_LEASE_COLUMNS} VALUES {{values}} ON CONFLICT (run_id, slot) DO UPDATE "
+        "SET task_id = EXCLUDED.task_id, holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at, "
+        "task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at"
+    ),
+    for_update=" FOR UPDATE",
+    for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
+    autocommit_single_statements=True,
+)
+
+MYSQL = Dialect(
+    name="mysql",
+    now="(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) / 1000000.0)",
+    # Unlike INSERT IGNORE (a shared lock that can deadlock when upgraded), this takes the row's
+    # exclusive lock at once.
+    lock_sentinels=(
+        "INSERT INTO concurrency_slots (run_id, slot, task_id, holder, slot_limit) VALUES {values} "
+        "ON DUPLICATE KEY UPDATE slot_limit = VALUES(slot_limit)"
+    ),
+    insert_leases=(
+        f"INSERT INTO concurrency_slots {_LEASE_COLUMNS} VALUES {{values}} ON DUPLICATE KEY UPDATE "
+        "task_id = VALUES(task_id), holder = VALUES(holder), expires_at = VALUES(expires_at), "
+        "task_name = VALUES(task_name), acquired_at = VALUES(acquired_at)"
+    ),
+    for_update=" FOR UPDATE",
+    for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
+    retryable_codes=frozenset({1213, 1205}),  # deadlock; lock wait timeout
+)
+
+SQLITE = Dialect(
+    name="sqlite",
+    now="((julianday('now') - 2440587.5) * 86400.0)",
+    # BEGIN IMMEDIATE already holds the database's write lock.
+    lock_sentinels=(
+        "INSERT INTO concurrency_slots (run_id, slot, task_id, holder, slot_limit) VALUES {values} "
+        "ON CONFLICT (run_id, slot) DO UPDATE SET slot_limit = excluded.slot_limit "
+        "WHERE slot_limit IS NOT excluded.slot_limit"
+    ),
+    insert_leases=(
+        f"INSERT INTO concurrency_slots {_LEASE_COLUMNS} VALUES {{values}} ON CONFLICT (run_id, slot) DO UPDATE "
+        "SET task_id = excluded.task_id, holder = excluded.holder, expires_at = excluded.expires_at, "
+        "task_name = excluded.task_name, acquired_at = excluded.acquired_at"
+    ),
+    for_update="",
+    for_update_skip_locked="",
+)
+
+_DIALECTS = {"postgresql": POSTGRESQL, "mysql": MYSQL, "mariadb": MYSQL, "sqlite": SQLITE}
+
+
+def dialect_of(engine: Engine) -> Dialect:
+    """The :class:`Dialect` of ``engine``; a :class:`ConfigurationError` for another database."""
+    dialect = _DIALECTS.get(engine.dialect.name)
+    if dialect is None:
+        raise ConfigurationError(
+            f"caps_url {engine.url.render_as_string(hide_password=True)!r}: the SQL store supports PostgreSQL, "
+            f"MySQL/MariaDB and SQLite, not {engine.dialect.name!r}"
+        )
+    return dialect
+
+
+# Bounded waits for connections this store opens, so that a store that vanishes without closing
+# them (a network partition, a dead host) turns into a store error instead of a process blocked
+# for ever.  What the URL sets itself wins.
+_POSTGRESQL_CONNECT_ARGS = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30000,
+}
+_MYSQL_CONNECT_ARGS = {"connect_timeout": 10, "read_timeout": 60, "write_timeout": 60}
+
+
+def create_engine(url: str) -> Engine:
+    """An engine for ``caps_url``, with each database's options (see the module docstring).
+
+    Raises:
+        ConfigurationError: the URL cannot be parsed, or names a driver SQLAlchemy does not know.
+        MissingDependencyError: the driver is not installed.
+    """
+    try:
+        parsed = sa.engine.make_url(url)
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(f"caps_url {mask_url(url)!r} is not a valid SQLAlchemy URL") from exc
+    backend = parsed.get_backend_name()
+    # Every transaction here ends in COMMIT or ROLLBACK; a reset on return would only add a round trip.
+    options: dict[str, Any] = {"pool_reset_on_return": None}
+    connect_args: dict[str, Any] = {}
+    if backend in ("mysql", "mariadb"):
+        options["isolation_level"] = "READ COMMITTED"
+        options["pool_recycle"] = 3600
+        if parsed.get_driver_name() == "pymysql":
+            connect_args = dict(_MYSQL_CONNECT_ARGS)
+    if backend == "postgresql" and parsed.get_driver_name() in ("psycopg", "psycopg2"):
+        connect_args = dict(_POSTGRESQL_CONNECT_ARGS)
+    if backend == "sqlite":
+        connect_args = {"check_same_thread": False, "timeout": 30}
+    connect_args = {key: value for key, value in connect_args.items() if key not in parsed.query}
+    if connect_args:
+        options["connect_args"] = connect_args
+    try:
+        engine = sa.create_engine(parsed, **options)
+    except sa.exc.NoSuchModuleError as exc:
+        drivers = ", ".join(f"{name}+{driver}" for name, driver in TESTED_DRIVERS.items() if name != "mariadb")
+        raise ConfigurationError(
+            f"caps_url {mask_url(url)!r}: unknown database driver {parsed.drivername!r} (a typo?); "
+            f"the SQL store is tested with {drivers}"
+        ) from exc
+    except ImportError as exc:
+        extra = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql"}.get(backend, backend)
+        raise MissingDependencyError(
+            f'caps_url {mask_url(url)!r} needs a database driver: pip install "celery-caps[{extra}]" ({exc})'
+        ) from exc
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(f"caps_url {mask_url(url)!r}: {exc}") from exc
+    if backend == "sqlite":
+        _serialise_sqlite_writers(engine)
+    return engine
+
+
+def _serialise_sqlite_writers(engine: Engine) -> None:
+    """WAL, a busy timeout, and every transaction ``BEGIN IMMEDIATE``: the driver's implicit
+    transactions do not serialise writers the way admission needs."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # the driver opens no transaction of its own
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA busy_timeout=30000")  # first: the WAL switch below may have to wait
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")

@@ -1,0 +1,391 @@
+"""The portable SQL store's leases: admission, renewal, release and the operators' reads.
+
+Admission is one transaction: upsert-and-lock the sentinels of every slot the task needs
+(sorted, so tasks with several caps cannot deadlock), *then* count live leases in a second
+statement (its snapshot is taken after the locks are granted, so it sees every committed
+competitor), then insert the leases.
+
+Lock order, so that no two steps wait for each other in a circle: lease rows before the
+waiting-list entry they belong to; a run's lease rows before sentinels (a release); sentinels
+in slot order (more of them only with SKIP LOCKED) before the entries a dispatch changes.
+
+The tables are in :mod:`.schema`, the statements in :mod:`.statements`, what differs between
+databases in :mod:`.dialects`; the waiting list is :mod:`.waitlist`, PostgreSQL's one-round-trip
+steps :mod:`.postgresql`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from ..base import Admission, HistoryEvent, Lease, SlotStatus, SlotStore
+from .dialects import create_engine, dialect_of
+from .schema import MAX_TASK_NAME_LENGTH, TABLE_NAME, concurrency_slots_history, metadata
+from .statements import Statements, admission_params, like_prefix
+
+logger = logging.getLogger(__name__)
+
+#: Tries of a transaction that a deadlock or a lock wait timeout ended (MySQL).
+ATTEMPTS = 3
+#: Names bound to one ``IN`` list at most.
+BATCH = 500
+_SCHEMA_ATTEMPTS = 5
+
+_T = TypeVar("_T")
+
+
+def as_text(value: Any) -> str:
+    """A name column's value: MySQL's ``VARBINARY`` gives bytes."""
+    return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else value
+
+
+class SQLLeaseStore(SlotStore):
+    """Leases in ``concurrency_slots`` on PostgreSQL, MySQL/MariaDB or SQLite.
+
+    Args:
+        target: A SQLAlchemy URL (``postgresql+psycopg://``, ``mysql+pymysql://``,
+            ``sqlite:///path``) or a ready ``Engine``.  An engine passed in is never
+            disposed by :meth:`close`.
+        create_schema: Create what is missing of the schema on first use.
+    """
+
+    driver_errors: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError,)
+
+    def __init__(self, target: str | Engine, *, create_schema: bool = True) -> None:
+        if isinstance(target, Engine):
+            self._engine, self._owns_engine = target, False
+        else:
+            self._engine, self._owns_engine = create_engine(target), True
+        self.dialect = dialect_of(self._engine)
+        self.statements = Statements(self.dialect)
+        self._create_schema = create_schema
+        self._schema_ready = False
+        # A pool process's warm-up thread and its first task may prepare at once: once is enough.
+        self._prepare_lock = threading.Lock()
+        self._single_statement_engine = (
+            self._engine.execution_options(isolation_level="AUTOCOMMIT")
+            if self.dialect.autocommit_single_statements
+            else self._engine
+        )
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the store runs on."""
+        return self._engine
+
+    @property
+    def display_url(self) -> str:
+        return self._engine.url.render_as_string(hide_password=True)
+
+    def secrets(self) -> Sequence[str]:
+        password = self._engine.url.password
+        return (str(password),) if password else ()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def create_schema(self) -> None:
+        """Create what is missing of the schema (tables and indexes).
+
+        Raises:
+            StoreError: the store cannot be reached, or refuses to create it.
+        """
+        for attempt in range(1, _SCHEMA_ATTEMPTS + 1):
+            try:
+                metadata.create_all(self._engine, checkfirst=True)
+                return
+            except sa.exc.SQLAlchemyError as exc:
+                # Several workers may race to create it (SQLite may even answer "database is
+                # locked" at once); only a missing table is an error.  The check connects again,
+                # so an unreachable store fails it too.
+                try:
+                    if sa.inspect(self._engine).has_table(TABLE_NAME):
+                        return
+                except sa.exc.SQLAlchemyError:
+                    pass
+                if attempt == _SCHEMA_ATTEMPTS or not isinstance(exc, sa.exc.OperationalError):
+                    raise self.store_error("creating the schema", exc) from exc
+                time.sleep(0.05 * attempt)
+
+    def schema_statements(self) -> list[str]:
+        """The DDL of this schema version for this store's database, in order: what
+        :meth:`create_schema` creates, for running by hand or in your own migrations."""
+        dialect = self._engine.dialect
+        statements = []
+        for table in metadata.sorted_tables:
+            statements.append(str(sa.schema.CreateTable(table).compile(dialect=dialect)).strip())
+            for index in sorted(table.indexes, key=lambda index: str(index.name)):
+                statements.append(str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip())
+        return statements
+
+    def _prepare(self) -> None:
+        """First use in this process: create the schema if asked."""
+        with self._prepare_lock:
+            if not self._schema_ready:
+                if self._create_schema:
+                    self.create_schema()
+                self._schema_ready = True
+
+    def _transaction(self, work: Callable[[Connection], _T], *, single_statement: bool = False) -> _T:
+        """Run ``work`` in one transaction (a single statement in autocommit where the dialect
+        allows it); a transaction a deadlock ended is tried again (:data:`ATTEMPTS`)."""
+        if not self._schema_ready:
+            self._prepare()
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                if single_statement:
+                    with self._single_statement_engine.connect() as connection:
+                        result = work(connection)
+                        connection.commit()  # a no-op in autocommit; ends SQLite/MySQL transactions
+                        return result
+                with self._engine.begin() as connection:
+                    return work(connection)
+            except sa.exc.DBAPIError as exc:
+                code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
+                if attempt == ATTEMPTS or code not in self.dialect.retryable_codes:
+                    raise
+                logger.debug("retrying after %s", exc.orig)
+                time.sleep(0.005 * attempt)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _names(self, connection: Connection, statement: str, name: str, values: Collection[Any]) -> set[str]:
+        """The first column of ``statement`` run on ``values`` bound to the list ``name``, a batch
+        at a time."""
+        found: set[str] = set()
+        listed = list(values)
+        for start in range(0, len(listed), BATCH):
+            rows = connection.execute(self.statements[statement], {name: listed[start : start + BATCH]})
+            found.update(as_text(row[0]) for row in rows)
+        return found
+
+    # -- admission ------------------------------------------------------------------------
+
+    def _lock_sentinels(self, connection: Connection, slots: Mapping[str, int], params: dict[str, Any]) -> None:
+        """Lock the slots' sentinels, in slot order, creating missing ones (recording the limits)."""
+        connection.execute(self.statements.for_slots("lock_sentinels", len(slots)), params)
+
+    def _full_slots(self, connection: Connection, slots: Mapping[str, int], params: dict[str, Any]) -> list[str]:
+        """Count live holders (in a statement after the locks): the full slots, sorted (a slot the
+        task holds already is not full for it)."""
+        count_live = self.statements.for_slots("count_live", len(slots))
+        return sorted(
+            as_text(slot)
+            for slot, holders, holds_already in connection.execute(count_live, params)
+            if not holds_already and holders >= slots[as_text(slot)]
+        )
+
+    def _insert_leases(self, connection: Connection, count: int, params: dict[str, Any]) -> None:
+        connection.execute(self.statements.for_slots("insert_leases", count), params)
+
+    def acquire(
+        self,
+        slots: Mapping[str, int],
+        task_id: str,
+        run_id: str,
+        holder: str,
+        lease_seconds: float,
+        task_name: str | None = None,
+    ) -> Admission:
+        params = admission_params(slots, task_id, run_id, holder, lease_seconds, _cut(task_name))
+
+        def admit(connection: Connection) -> Admission:
+            self._lock_sentinels(connection, slots, params)
+            full = self._full_slots(connection, slots, params)
+            if full:
+                return Admission(False, tuple(full))
+            self._insert_leases(connection, len(slots), params)
+            return Admission(True)
+
+        return self._transaction(admit)
+
+    def renew(self, run_ids: Collection[str], lease_seconds: float) -> dict[str, int]:
+        if not run_ids:
+            return {}
+        params = {"run_ids": list(run_ids), "lease_seconds": lease_seconds}
+
+        def renew(connection: Connection) -> dict[str, int]:
+            connection.execute(self.statements["renew"], params)
+            return {run_id: count for run_id, count in connection.execute(self.statements["renewed"], params)}
+
+        return self._transaction(renew)
+
+    # -- release ------------------------------------------------------------------------------
+
+    def _delete(self, statement: str, params: dict[str, Any]) -> int:
+        return self._transaction(
+            lambda connection: int(connection.execute(self.statements[statement], params).rowcount),
+            single_statement=True,
+        )
+
+    def release(self, run_id: str) -> int:
+        return self._delete("release_run", {"run_id": run_id})
+
+    def release_holder(self, task_id: str, holder: str) -> int:
+        return self._delete("release_holder", {"task_id": task_id, "holder": holder})
+
+    def release_task(self, task_id: str) -> int:
+        return self._delete("release_task", {"task_id": task_id})
+
+    def sweep(self) -> int:
+        def sweep(connection: Connection) -> int:
+            deleted = int(connection.execute(self.statements["sweep"]).rowcount)
+            connection.execute(self.statements["sweep_tombstones"])
+            return deleted
+
+        return self._transaction(sweep)
+
+    # -- operators ----------------------------------------------------------------------------
+
+    def status(self) -> list[SlotStatus]:
+        def read(connection: Connection) -> list[SlotStatus]:
+            return [
+                SlotStatus(as_text(slot), limit, int(holders), int(expired))
+                for slot, limit, holders, expired in connection.execute(self.statements["status"])
+            ]
+
+        return self._transaction(read, single_statement=True)
+
+    def leases(self, slot: str | None = None) -> list[Lease]:
+        statement, params = ("leases_all", {}) if slot is None else ("leases_of_slot", {"slot": slot})
+
+        def read(connection: Connection) -> list[Lease]:
+            rows = connection.execute(self.statements[statement], params)
+            return [
+                Lease(
+                    as_text(name),
+                    as_text(task_id),
+                    run_id,
+                    holder,
+                    float(expires_in),
+                    task_name,
+                    None if age is None else float(age),
+                )
+                for name, task_id, run_id, holder, expires_in, task_name, age in rows
+            ]
+
+        return self._transaction(read, single_statement=True)
+
+    def prune(self, prefix: str, *, dry_run: bool = False) -> list[str]:
+        # MySQL's name columns are VARBINARY: match bytes.
+        pattern = self.dialect.exact(like_prefix(prefix))
+        statements = self.statements
+
+        def prune(connection: Connection) -> list[str]:
+            candidates = statements["prune_candidates" if dry_run else "prune_locked_candidates"]
+            slots = [row[0] for row in connection.execute(candidates, {"pattern": pattern})]
+            held: set[Any] = set()
+            for start in range(0, len(slots), BATCH):
+                batch = slots[start : start + BATCH]
+                held.update(row[0] for row in connection.execute(statements["prune_live"], {"slots": batch}))
+                # The slots parked tasks wait for (waiting or dispatched) stay.
+                held.update(row[0] for row in connection.execute(statements["prune_waited"], {"slots": batch}))
+            doomed = [slot for slot in slots if slot not in held]
+            if not dry_run:
+                for start in range(0, len(doomed), BATCH):
+                    batch = doomed[start : start + BATCH]
+                    connection.execute(statements["prune_delete"], {"slots": batch})
+                    # A tombstone of a task that needed a pruned slot goes whole.
+                    tombstones = self._names(connection, "prune_tombstones", "slots", batch)
+                    if tombstones:
+                        connection.execute(statements["delete_tombstones"], {"task_ids": sorted(tombstones)})
+            return sorted(as_text(slot) for slot in doomed)
+
+        return self._transaction(prune)
+
+    def record_history(self, events: Sequence[HistoryEvent], keep_seconds: float, max_events: int) -> None:
+        if not events:
+            return
+        table = concurrency_slots_history
+        rows = [
+            {
+                "recorded_at": event.at,
+                "kind": event.kind,
+                "task_id": self.dialect.exact(event.task_id),
+                "task_name": _cut(event.task_name),
+                "holder": event.holder[:255],
+                "slots": json.dumps(list(event.slots)),
+                "full_slots": json.dumps(list(event.full_slots)),
+                "started_at": event.started_at,
+                "deferrals": event.deferrals,
+            }
+            for event in events
+        ]
+        oldest = max(event.at for event in events) - keep_seconds
+
+        def record(connection: Connection) -> None:
+            connection.execute(table.insert(), rows)
+            connection.execute(table.delete().where(table.c.recorded_at < oldest))
+            # The newest max_events rows stay (ids grow with insertion).
+            boundary = connection.execute(
+                sa.select(table.c.id).order_by(table.c.id.desc()).limit(1).offset(max_events)
+            ).scalar()
+            if boundary is not None:
+                connection.execute(table.delete().where(table.c.id <= boundary))
+
+        self._transaction(record)
+
+    def history(self, since: float, task_id: str | None = None) -> list[HistoryEvent]:
+        table = concurrency_slots_history
+        query = sa.select(
+            table.c.kind,
+            table.c.recorded_at,
+            table.c.task_id,
+            table.c.task_name,
+            table.c.slots,
+            table.c.full_slots,
+            table.c.holder,
+            table.c.started_at,
+            table.c.deferrals,
+        ).where(table.c.recorded_at >= since)
+        if task_id is not None:
+            query = query.where(table.c.task_id == self.dialect.exact(task_id))
+        query = query.order_by(table.c.recorded_at, table.c.id)
+
+        def read(connection: Connection) -> list[HistoryEvent]:
+            return [
+                HistoryEvent(
+                    kind=kind,
+                    at=float(at),
+                    task_id=as_text(event_task_id),
+                    task_name=task_name,
+                    slots=tuple(json.loads(slots)),
+                    full_slots=tuple(json.loads(full_slots)),
+                    holder=holder,
+                    started_at=None if started_at is None else float(started_at),
+                    deferrals=int(deferrals),
+                )
+                for kind, at, event_task_id, task_name, slots, full_slots, holder, started_at, deferrals in (
+                    connection.execute(query)
+                )
+            ]
+
+        return self._transaction(read, single_statement=True)
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
+        """Check the schema and open a pooled connection ahead of the first task."""
+        if not self._schema_ready:
+            self._prepare()
+        self._transaction(lambda connection: connection.exec_driver_sql("SELECT 1"))
+
+    def after_fork(self) -> None:
+        # Connections inherited from the parent must not be used (nor closed) here.
+        self._prepare_lock = threading.Lock()  # a thread of the parent may have held it
+        self._engine.dispose(close=False)
+
+    def close(self) -> None:
+        if self._owns_engine:
+            self._engine.dispose()
+
+
+def _cut(task_name: str | None) -> str | None:
+    """A task name as kept with a lease: at most :data:`MAX_TASK_NAME_LENGTH` characters."""
+    return None if task_name is None else task_name[:MAX_TASK_NAME_LENGTH]

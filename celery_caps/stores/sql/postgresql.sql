@@ -1,0 +1,412 @@
+-- celery-caps: the PostgreSQL store's functions, schema version 1.
+--
+-- Each of a task's store steps in one round trip: admission (concurrency_slots_acquire), park
+-- (concurrency_slots_park), a run's release and the hand-over it makes
+-- (concurrency_slots_release_and_wake) and a woken copy's claim (concurrency_slots_claim).  They
+-- take the steps, locks and lock order of the portable store (celery_caps/stores/sql/leases.py and
+-- waitlist.py).  Every statement in a VOLATILE function takes a fresh READ COMMITTED snapshot, so
+-- a count after a lock sees every competitor committed before it was granted.
+--
+-- The store creates them with its tables (caps_create_schema), or `celery caps schema --sql`
+-- prints them with the tables' DDL for your own migrations.  Statements are separated by lines
+-- holding only ';' after a body ($$ ... $$).
+
+-- The store's clock, in seconds since the epoch (never a worker's).
+CREATE OR REPLACE FUNCTION concurrency_slots_now() RETURNS double precision
+LANGUAGE sql VOLATILE AS $$
+    SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)
+$$
+;
+
+-- Admission, first step: lock the sentinels of p_slots (sorted) in slot order, creating missing
+-- ones with their limits.  ON CONFLICT DO UPDATE locks the existing row even when its WHERE is
+-- false, so an unchanged limit costs a lock, not a new row version.
+CREATE OR REPLACE FUNCTION concurrency_slots_lock_sentinels(p_slots text[], p_limits integer[]) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    INSERT INTO concurrency_slots (run_id, slot, task_id, holder, slot_limit)
+    SELECT '', u.slot, '', '', u.slot_limit
+    FROM unnest(p_slots, p_limits) AS u(slot, slot_limit) ORDER BY u.slot
+    ON CONFLICT (run_id, slot) DO UPDATE SET slot_limit = EXCLUDED.slot_limit
+    WHERE concurrency_slots.slot_limit IS DISTINCT FROM EXCLUDED.slot_limit;
+END $$
+;
+
+-- Admission, second step (after the locks): the full slots of p_slots, sorted; a slot the task
+-- holds already is not full for it.
+CREATE OR REPLACE FUNCTION concurrency_slots_full(
+    p_slots text[], p_limits integer[], p_task_id text, p_now double precision
+) RETURNS text[] LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    RETURN (
+        SELECT coalesce(array_agg(u.slot ORDER BY u.slot), '{}')
+        FROM unnest(p_slots, p_limits) AS u(slot, slot_limit)
+        WHERE NOT EXISTS (
+                SELECT 1 FROM concurrency_slots c
+                WHERE c.slot = u.slot AND c.task_id = p_task_id AND c.expires_at > p_now)
+          AND (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
+               WHERE c.slot = u.slot AND c.expires_at > p_now) >= u.slot_limit);
+END $$
+;
+
+-- Admission, last step: the run's leases (a run admitted again to a slot whose lease it let
+-- expire, not swept yet, replaces that row).
+CREATE OR REPLACE FUNCTION concurrency_slots_insert_leases(
+    p_slots text[], p_task_id text, p_run_id text, p_holder text, p_lease_seconds double precision,
+    p_task_name text, p_now double precision
+) RETURNS void LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
+    SELECT p_run_id, u.slot, p_task_id, p_holder, p_now + p_lease_seconds, p_task_name, p_now
+    FROM unnest(p_slots) AS u(slot)
+    ON CONFLICT (run_id, slot) DO UPDATE SET task_id = EXCLUDED.task_id, holder = EXCLUDED.holder,
+        expires_at = EXCLUDED.expires_at, task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at;
+END $$
+;
+
+-- Admission: the full slots (none: the leases are taken).
+CREATE OR REPLACE FUNCTION concurrency_slots_acquire(
+    p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
+    p_lease_seconds double precision, p_task_name text
+) RETURNS text[] LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_full text[];
+    v_now double precision;
+BEGIN
+    PERFORM concurrency_slots_lock_sentinels(p_slots, p_limits);
+    v_now := concurrency_slots_now();
+    v_full := concurrency_slots_full(p_slots, p_limits, p_task_id, v_now);
+    IF cardinality(v_full) = 0 THEN
+        PERFORM concurrency_slots_insert_leases(p_slots, p_task_id, p_run_id, p_holder, p_lease_seconds,
+            p_task_name, v_now);
+    END IF;
+    RETURN v_full;
+END $$
+;
+
+-- Park (the park strategy's admission), in ParkingStore.park's order: lock the sentinels; the
+-- task's entry, waiting or dispatched, answers for it ('waiting'); admission's count and leases
+-- ('admitted'); without a payload, 'full'; a slot whose list holds p_max_waiters entries,
+-- 'waitlist_full'; else the task's tombstone (if any) gives way to its waiting entry, which keeps
+-- its count of dispatches, one row per slot at the store's clock ('parked').
+--
+-- The hot-path functions below plan each statement once per session: these are key lookups whose
+-- best plan never depends on the values, and re-planning a dozen of them costs more than running
+-- them.  A generic plan is made from the statistics of its moment, though: a waiting list
+-- analysed while empty would be scanned whole, and sorted, for ever after.  So no sequential or
+-- bitmap scan and no full sort where an index gives the rows in order, and no JIT (those
+-- disabled plans look expensive enough to be compiled, which costs far more than the call).
+CREATE OR REPLACE FUNCTION concurrency_slots_park(
+    p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
+    p_lease_seconds double precision, p_task_name text, p_payload bytea,
+    p_first_deferred_at double precision, p_max_waiters integer
+) RETURNS text LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
+SET enable_sort = off SET jit = off AS $$
+DECLARE
+    v_full text[];
+    v_now double precision;
+    v_dispatches integer;
+BEGIN
+    PERFORM concurrency_slots_lock_sentinels(p_slots, p_limits);
+    IF EXISTS (SELECT 1 FROM concurrency_waiters w WHERE w.task_id = p_task_id AND w.done_until IS NULL) THEN
+        RETURN 'waiting';
+    END IF;
+    v_now := concurrency_slots_now();
+    v_full := concurrency_slots_full(p_slots, p_limits, p_task_id, v_now);
+    IF cardinality(v_full) = 0 THEN
+        PERFORM concurrency_slots_insert_leases(p_slots, p_task_id, p_run_id, p_holder, p_lease_seconds,
+            p_task_name, v_now);
+        RETURN 'admitted';
+    END IF;
+    IF p_payload IS NULL THEN
+        RETURN 'full';
+    END IF;
+    IF EXISTS (
+        SELECT 1 FROM unnest(p_slots) AS u(slot)
+        WHERE (SELECT count(*) FROM (
+                  SELECT 1 FROM concurrency_waiters w
+                  WHERE w.slot = u.slot AND w.done_until IS NULL LIMIT p_max_waiters) n
+              ) >= p_max_waiters)
+    THEN
+        RETURN 'waitlist_full';
+    END IF;
+    WITH gone AS (
+        DELETE FROM concurrency_waiters w WHERE w.task_id = p_task_id AND w.done_until IS NOT NULL
+        RETURNING w.dispatches)
+    SELECT coalesce(max(gone.dispatches), 0) INTO v_dispatches FROM gone;
+    INSERT INTO concurrency_waiters
+        (slot, task_id, slot_limit, slot_count, first_deferred_at, parked_at, task_name, payload, dispatches)
+    SELECT u.slot, p_task_id, u.slot_limit, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_payload,
+        v_dispatches
+    FROM unnest(p_slots, p_limits) AS u(slot, slot_limit);
+    RETURN 'parked';
+END $$
+;
+
+-- A waiter of several slots makes a release look for its other slots: this partial index finds
+-- the (rare) waiters of several slots of a slot at once, where the list's own index would walk
+-- every waiter of the slot.
+CREATE INDEX IF NOT EXISTS ix_concurrency_waiters_several ON concurrency_waiters (slot) WHERE slot_count > 1
+;
+
+-- A run's release and the wake of the waiters its slots can now admit, in one round trip (the
+-- portable store's release_and_wake: its _wake_after_release and _dispatch).  Delete the run's
+-- leases; lock the freed slots' sentinels, then (SKIP LOCKED: no lock-order deadlock) those of the
+-- other slots their waiters need; walk the waiters of the locked slots in their order (first
+-- deferral, park time, task id), streaming, and dispatch each that waits for a freed slot and
+-- whose every slot is locked and has room (and still waits: a readmit or a forget may have taken
+-- it since the walk began); stop once every slot seen is full.  One row per woken waiter
+-- (o_task_id NULL when none), each with the number of leases deleted.
+--
+-- It commits without waiting for its WAL record to reach the disk (synchronous_commit off for
+-- its transaction only; admission, park, claim and renew stay durable): the flush is most of a
+-- commit's wait after the connection sat idle through a task.  A database crash can lose the last
+-- fraction of a second of such commits, never a parked task: a lost release leaves its lease to
+-- expire (fewer admissions, never more), a lost hand-over leaves its waiter in the list to be
+-- handed over again (its task may then run twice, as one task id: at-least-once).
+CREATE OR REPLACE FUNCTION concurrency_slots_release_and_wake(p_run_id text, p_dispatch_lease_seconds double precision)
+RETURNS TABLE (
+    o_deleted integer, o_task_id text, o_run_id text, o_payload bytea, o_task_name text
+) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
+SET enable_sort = off SET jit = off AS $$
+DECLARE
+    -- Waiter rows read between checks that some slot seen still has room.
+    c_batch constant integer := 64;
+    v_full text[] := '{}';
+    v_found_full text[];
+    v_full_after text[];
+    v_released text[];
+    v_waited text[];
+    v_locked text[];
+    v_now double precision;
+    v_seen_slots text[] := '{}';
+    v_seen_limits integer[] := '{}';
+    v_any boolean := false;
+    v_task text := NULL;
+    v_slots text[];
+    v_limits integer[];
+    v_count integer;
+    v_name text;
+    v_waiters refcursor;
+    v_read integer := 0;
+    v_check_at integer := c_batch;
+    f_task text;
+    f_slot text;
+    f_limit integer;
+    f_count integer;
+    f_name text;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    WITH gone AS (DELETE FROM concurrency_slots c WHERE c.run_id = p_run_id RETURNING c.slot)
+    SELECT count(*), coalesce(array_agg(DISTINCT gone.slot), '{}') INTO o_deleted, v_released FROM gone;
+    IF o_deleted = 0 THEN
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    PERFORM 1 FROM concurrency_slots c WHERE c.run_id = '' AND c.slot = ANY(v_released) ORDER BY c.slot FOR UPDATE;
+    IF NOT EXISTS (
+        SELECT 1 FROM concurrency_waiters x WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL)
+    THEN
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    -- The other slots that waiters of several slots need (none for single-slot waiters, the
+    -- common case, which the partial index ix_concurrency_waiters_several tells at once).
+    v_locked := v_released;
+    IF EXISTS (
+        SELECT 1 FROM concurrency_waiters x
+        WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL AND x.slot_count > 1)
+    THEN
+        SELECT coalesce(array_agg(DISTINCT w.slot), '{}') INTO v_waited FROM concurrency_waiters w
+        WHERE w.task_id IN (
+            SELECT x.task_id FROM concurrency_waiters x
+            WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL AND x.slot_count > 1);
+        SELECT v_released || coalesce(array_agg(m.slot), '{}') INTO v_locked FROM (
+            SELECT c.slot FROM concurrency_slots c
+            WHERE c.run_id = '' AND c.slot = ANY(v_waited) AND NOT (c.slot = ANY(v_released))
+            ORDER BY c.slot FOR UPDATE SKIP LOCKED) m;
+    END IF;
+    v_now := concurrency_slots_now();
+    -- One waiter's rows are adjacent in this order, read as they come (a long list is not read
+    -- to its end); after the last row FETCH sets the f_ variables to NULL, which closes the last
+    -- waiter.  (A tombstone keeps its dispatch's run id: never read here.)  (One slot: an
+    -- equality, so the list's index streams it in order, unsorted.)
+    IF cardinality(v_locked) = 1 THEN
+        OPEN v_waiters FOR
+            SELECT w.task_id, w.slot, w.slot_limit, w.slot_count, w.task_name FROM concurrency_waiters w
+            WHERE w.slot = v_locked[1] AND w.dispatch_run_id IS NULL
+            ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
+    ELSE
+        OPEN v_waiters FOR
+            SELECT w.task_id, w.slot, w.slot_limit, w.slot_count, w.task_name FROM concurrency_waiters w
+            WHERE w.slot = ANY(v_locked) AND w.dispatch_run_id IS NULL
+            ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
+    END IF;
+    LOOP
+        FETCH v_waiters INTO f_task, f_slot, f_limit, f_count, f_name;
+        IF v_task IS NOT NULL AND f_task IS DISTINCT FROM v_task THEN
+            -- Waiter v_task is complete: dispatch it if it waits for a released slot, all its
+            -- slots are locked here and each has room (or is held by it already); a waiter
+            -- passed over keeps its place.  v_full: slots found full in this walk (only
+            -- dispatches add leases while their sentinels are locked), so a waiter needing one
+            -- is passed over without a count.
+            IF cardinality(v_slots) = v_count AND v_slots && v_released AND NOT (v_slots && v_full) THEN
+                -- Full now (for this waiter: a slot it holds already has room for it), and full
+                -- once it takes a place (so that no count is needed after the dispatch).
+                SELECT coalesce(array_agg(u.slot) FILTER (WHERE NOT u.held AND u.holders >= u.slot_limit), '{}'),
+                       coalesce(array_agg(u.slot) FILTER (
+                           WHERE u.holders + (CASE WHEN u.held THEN 0 ELSE 1 END) >= u.slot_limit), '{}')
+                INTO v_found_full, v_full_after
+                FROM (
+                    SELECT s.slot, s.slot_limit,
+                        EXISTS (SELECT 1 FROM concurrency_slots c
+                                WHERE c.slot = s.slot AND c.task_id = v_task AND c.expires_at > v_now) AS held,
+                        (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
+                         WHERE c.slot = s.slot AND c.expires_at > v_now) AS holders
+                    FROM unnest(v_slots, v_limits) AS s(slot, slot_limit)) u;
+                v_full := v_full || v_found_full;
+            END IF;
+            IF cardinality(v_slots) = v_count AND v_slots && v_released AND NOT (v_slots && v_full) THEN
+                o_run_id := md5(random()::text || clock_timestamp()::text || v_task);
+                -- The entry answers for the task until a copy claims it (or the deadline passes).
+                UPDATE concurrency_waiters w SET dispatch_run_id = o_run_id,
+                    dispatch_expires_at = v_now + p_dispatch_lease_seconds, dispatches = w.dispatches + 1
+                WHERE w.task_id = v_task AND w.dispatch_run_id IS NULL;
+                IF FOUND THEN
+                    o_task_id := v_task;
+                    o_task_name := v_name;
+                    PERFORM concurrency_slots_insert_leases(v_slots, v_task, o_run_id, 'caps-dispatch',
+                        p_dispatch_lease_seconds, v_name, v_now);
+                    SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = v_task LIMIT 1;
+                    v_any := true;
+                    RETURN NEXT;
+                    -- The slots this dispatch filled.
+                    v_full := v_full || v_full_after;
+                END IF;
+            END IF;
+            -- Stop once every released slot is known full: the room this release freed is
+            -- handed out (other slots gain room only by their own releases, or by expiry,
+            -- which recovery serves).
+            EXIT WHEN v_released <@ v_full;
+            -- Every c_batch rows, stop once every slot seen so far is full.
+            IF v_read >= v_check_at THEN
+                EXIT WHEN NOT EXISTS (
+                    SELECT 1 FROM unnest(v_seen_slots, v_seen_limits) AS u(slot, slot_limit)
+                    WHERE (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
+                           WHERE c.slot = u.slot AND c.expires_at > v_now) < u.slot_limit);
+                v_check_at := v_read + c_batch;
+            END IF;
+        END IF;
+        EXIT WHEN f_task IS NULL;
+        v_read := v_read + 1;
+        IF f_task IS DISTINCT FROM v_task THEN
+            v_task := f_task;
+            v_slots := '{}';
+            v_limits := '{}';
+            v_count := f_count;
+            v_name := f_name;
+        END IF;
+        v_slots := v_slots || f_slot;
+        v_limits := v_limits || f_limit;
+        IF NOT (f_slot = ANY(v_seen_slots)) THEN
+            v_seen_slots := v_seen_slots || f_slot;
+            v_seen_limits := v_seen_limits || f_limit;
+        END IF;
+    END LOOP;
+    CLOSE v_waiters;
+    IF NOT v_any THEN
+        o_task_id := NULL;
+        o_run_id := NULL;
+        o_payload := NULL;
+        o_task_name := NULL;
+        RETURN NEXT;
+    END IF;
+END $$
+;
+
+-- A claimed entry leaves the list: a tombstone of p_holder's claim until p_done_until if it was
+-- dispatched p_minimum times or more (copies of its other dispatches may be on their way; 0:
+-- always), else deleted.
+CREATE OR REPLACE FUNCTION concurrency_waiters_settle(
+    p_task_id text, p_run_id text, p_holder text, p_done_until double precision, p_minimum integer
+) RETURNS void LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    UPDATE concurrency_waiters w SET done_until = p_done_until, claimed_by = p_holder
+    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
+        AND w.dispatches >= p_minimum;
+    DELETE FROM concurrency_waiters w
+    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
+        AND w.dispatches < p_minimum;
+END $$
+;
+
+-- A copy's claim in one round trip, ParkingStore.claim's decision: lock the task's leases of the
+-- dispatch run, then read them by the store's clock.  All live, and each a dispatch lease or
+-- p_holder's (the same claim again, after its reply was lost): they become (stay) the run's, the
+-- entry settles ('run').  A live lease held by another run: another copy claimed first ('admit'
+-- if redelivered, else 'end').  Otherwise what is left of the dispatch's leases goes, and the
+-- task's entry (locked) decides.
+CREATE OR REPLACE FUNCTION concurrency_slots_claim(
+    p_task_id text, p_run_id text, p_holder text, p_lease_seconds double precision, p_redelivered boolean,
+    p_done_seconds double precision
+) RETURNS text LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
+SET enable_sort = off SET jit = off AS $$
+DECLARE
+    v_now double precision;
+    v_leases integer;
+    v_live integer;
+    v_live_dispatch integer;
+    v_live_claimable integer;
+    v_dispatch text;
+    v_done boolean;
+    v_claimed_by text;
+BEGIN
+    PERFORM 1 FROM concurrency_slots c WHERE c.run_id = p_run_id AND c.task_id = p_task_id FOR UPDATE;
+    v_now := concurrency_slots_now();
+    SELECT count(*), count(*) FILTER (WHERE c.expires_at > v_now),
+        count(*) FILTER (WHERE c.expires_at > v_now AND c.holder = 'caps-dispatch'),
+        count(*) FILTER (WHERE c.expires_at > v_now AND c.holder IN ('caps-dispatch', p_holder))
+    INTO v_leases, v_live, v_live_dispatch, v_live_claimable
+    FROM concurrency_slots c WHERE c.run_id = p_run_id AND c.task_id = p_task_id;
+    IF v_live > 0 AND v_live = v_leases AND v_live_claimable = v_live THEN
+        UPDATE concurrency_slots c SET holder = p_holder, expires_at = v_now + p_lease_seconds
+        WHERE c.run_id = p_run_id AND c.task_id = p_task_id;
+        PERFORM concurrency_waiters_settle(p_task_id, p_run_id, p_holder, v_now + p_done_seconds, 2);
+        RETURN 'run';
+    END IF;
+    IF v_live > v_live_dispatch THEN
+        RETURN CASE WHEN p_redelivered THEN 'admit' ELSE 'end' END;
+    END IF;
+    DELETE FROM concurrency_slots c
+    WHERE c.run_id = p_run_id AND c.task_id = p_task_id AND c.holder = 'caps-dispatch';
+    PERFORM 1 FROM concurrency_waiters w WHERE w.task_id = p_task_id FOR UPDATE;
+    SELECT w.dispatch_run_id, w.done_until IS NOT NULL, w.claimed_by INTO v_dispatch, v_done, v_claimed_by
+    FROM concurrency_waiters w WHERE w.task_id = p_task_id LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN 'admit';
+    END IF;
+    IF v_done THEN
+        -- This very claim's tombstone: the claim retried, its leases expired meanwhile.
+        RETURN CASE WHEN p_redelivered OR (v_dispatch = p_run_id AND v_claimed_by = p_holder)
+            THEN 'admit' ELSE 'end' END;
+    END IF;
+    IF v_dispatch IS DISTINCT FROM p_run_id THEN
+        RETURN 'end';
+    END IF;
+    -- No lease is left to tell a duplicate copy of this dispatch that the task was taken: the
+    -- tombstone does.
+    PERFORM concurrency_waiters_settle(p_task_id, p_run_id, p_holder, v_now + p_done_seconds, 0);
+    RETURN 'admit';
+END $$
+;
+
+-- Last, so that its presence says every function above is there: the schema version these
+-- functions belong to.  A store finding an older one creates them again; see docs/stores.md.
+CREATE OR REPLACE FUNCTION concurrency_slots_schema_version() RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT 1
+$$
+;

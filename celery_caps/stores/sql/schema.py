@@ -1,0 +1,110 @@
+"""The SQL store's schema: three tables, one version.
+
+* ``concurrency_slots``: a **sentinel** row per slot name (``run_id = ''``, ``expires_at``
+  NULL, the last limit seen in ``slot_limit``), never deleted by the sweep, which admission
+  locks before it counts, so two contenders for the last slot always serialise on it; and a
+  **lease** row per held slot and run (``run_id``, ``task_id``, ``holder``, ``expires_at`` in
+  seconds since the epoch by the **database's clock**, and for operators ``task_name`` and
+  ``acquired_at``).
+* ``concurrency_waiters``: the waiting list of the park strategy, one row per parked task and
+  slot it needs (its payload, first-deferral time, how many times it was dispatched, and while
+  dispatched the run id and deadline of its dispatch; a tombstone has ``done_until`` set, keeps
+  its dispatch's run id and, if a claim made it, the claiming holder).
+* ``concurrency_slots_history``: an optional, bounded record of put-backs and finished runs
+  for ``celery caps explain`` and ``timeline``, written in batches off the admission path.
+
+There is one schema version before the first release: the store creates what is missing
+(``caps_create_schema``); for your own migrations, include :data:`metadata` (Alembic).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+
+from ...caps import MAX_SLOT_LENGTH
+
+#: The schema's version: of the tables and (PostgreSQL) the functions of ``postgresql.sql``.
+SCHEMA_VERSION = 1
+
+#: Longest task id the table stores, in characters.
+MAX_TASK_ID_LENGTH = 255
+#: Longest task name kept with a lease (longer ones are cut), in characters.
+MAX_TASK_NAME_LENGTH = 255
+
+TABLE_NAME = "concurrency_slots"
+
+
+def _exact_text(length: int) -> sa.types.TypeEngine[Any]:
+    # MySQL's default collations fold case and ignore trailing spaces, which would
+    # merge "Tenant" and "tenant "; bytes compare exactly.
+    return sa.String(length).with_variant(mysql.VARBINARY(length * 4), "mysql", "mariadb")
+
+
+#: The schema, for users' own migrations (Alembic: include ``metadata``).
+metadata = sa.MetaData()
+
+concurrency_slots = sa.Table(
+    TABLE_NAME,
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True, comment="'' for a slot's sentinel row"),
+    sa.Column("slot", _exact_text(MAX_SLOT_LENGTH), primary_key=True),
+    sa.Column("task_id", _exact_text(MAX_TASK_ID_LENGTH), nullable=False, server_default=""),
+    sa.Column("holder", sa.String(255), nullable=False, server_default=""),
+    sa.Column("expires_at", sa.Double(), nullable=True, comment="store-clock epoch seconds; NULL on sentinels"),
+    sa.Column("slot_limit", sa.Integer(), nullable=True, comment="last limit admitted with; sentinels only"),
+    sa.Column("task_name", sa.String(MAX_TASK_NAME_LENGTH), nullable=True, comment="for operators; leases only"),
+    sa.Column("acquired_at", sa.Double(), nullable=True, comment="store-clock epoch seconds the lease was taken"),
+    # Admission counts live leases of a few slot names: this index makes that cost
+    # independent of how many slot names exist.
+    sa.Index("ix_concurrency_slots_slot_expiry", "slot", "expires_at", "task_id"),
+    sa.Index("ix_concurrency_slots_task_id", "task_id"),
+)
+
+HISTORY_TABLE_NAME = "concurrency_slots_history"
+
+concurrency_slots_history = sa.Table(
+    HISTORY_TABLE_NAME,
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("recorded_at", sa.Double(), nullable=False, comment="epoch seconds, recording worker's clock"),
+    sa.Column("kind", sa.String(16), nullable=False, comment="'deferred' or 'ran'"),
+    sa.Column("task_id", _exact_text(MAX_TASK_ID_LENGTH), nullable=False),
+    sa.Column("task_name", sa.String(MAX_TASK_NAME_LENGTH), nullable=True),
+    sa.Column("holder", sa.String(255), nullable=False, server_default=""),
+    sa.Column("slots", sa.Text(), nullable=False, comment="JSON list of slot names"),
+    sa.Column("full_slots", sa.Text(), nullable=False, comment="JSON list of slot names"),
+    sa.Column("started_at", sa.Double(), nullable=True),
+    sa.Column("deferrals", sa.Integer(), nullable=False, server_default="0"),
+    sa.Index("ix_concurrency_slots_history_recorded_at", "recorded_at"),
+    sa.Index("ix_concurrency_slots_history_task_id", "task_id"),
+)
+
+WAITERS_TABLE_NAME = "concurrency_waiters"
+
+concurrency_waiters = sa.Table(
+    WAITERS_TABLE_NAME,
+    metadata,
+    sa.Column("slot", _exact_text(MAX_SLOT_LENGTH), primary_key=True),
+    sa.Column("task_id", _exact_text(MAX_TASK_ID_LENGTH), primary_key=True),
+    sa.Column("slot_limit", sa.Integer(), nullable=False),
+    sa.Column("slot_count", sa.Integer(), nullable=False, comment="how many slots the task needs"),
+    sa.Column("first_deferred_at", sa.Double(), nullable=False, comment="epoch seconds, deferring worker's clock"),
+    sa.Column("parked_at", sa.Double(), nullable=False, comment="store-clock epoch seconds"),
+    sa.Column("task_name", sa.String(MAX_TASK_NAME_LENGTH), nullable=True),
+    sa.Column(
+        "payload",
+        sa.LargeBinary().with_variant(mysql.MEDIUMBLOB(), "mysql", "mariadb"),
+        nullable=False,
+        comment="the message to publish again, in the app's serializer",
+    ),
+    sa.Column("dispatch_run_id", sa.String(64), nullable=True, comment="set while dispatched, and on tombstones"),
+    sa.Column("dispatch_expires_at", sa.Double(), nullable=True, comment="store-clock epoch seconds"),
+    sa.Column("dispatches", sa.Integer(), nullable=False, server_default="0", comment="dispatches so far"),
+    sa.Column("done_until", sa.Double(), nullable=True, comment="a tombstone until then (store-clock epoch seconds)"),
+    sa.Column("claimed_by", sa.String(255), nullable=True, comment="a claim's tombstone: the holder that claimed"),
+    sa.Index("ix_concurrency_waiters_task_id", "task_id"),
+    sa.Index("ix_concurrency_waiters_order", "slot", "first_deferred_at", "parked_at"),
+)

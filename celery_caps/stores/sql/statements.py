@@ -1,0 +1,325 @@
+"""Every SQL statement of the portable SQL store, by name, and their compiled forms.
+
+``{now}`` in a template is the dialect's clock (:attr:`Dialect.now`), ``{for_update}`` and
+``{skip_locked}`` its row locks; ``:slots`` and ``:task_ids`` are lists (expanding binds).
+The admission statements over several slots (``{values}``/``{slots}``) are built per number
+of slots by :meth:`Statements.for_slots`.
+
+The waiting list's states, by column: waiting (``dispatch_run_id`` NULL), dispatched
+(``dispatch_run_id`` set, ``done_until`` NULL), tombstone (``done_until`` set; it keeps its
+dispatch's run id, so "``dispatch_run_id IS NULL``" alone selects the waiting).  Every
+change of an entry's state is conditional on the state it was read in, so that a step that
+lost a race to another changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..base import DISPATCH_HOLDER
+from .dialects import Dialect
+
+# -- admission (one statement per number of slots) -------------------------------------------
+
+#: Count live holders, in a statement after the sentinel locks (its snapshot postdates them):
+#: per slot, the holders and whether the task is one of them.
+COUNT_LIVE = (
+    "SELECT slot, COUNT(DISTINCT task_id), MAX(CASE WHEN task_id = :task_id THEN 1 ELSE 0 END) "
+    "FROM concurrency_slots WHERE slot IN ({slots}) AND expires_at > {now} GROUP BY slot"
+)
+SENTINEL_ROW = "('', :s{i}, '', '', :l{i})"
+LEASE_ROW = "(:run_id, :s{i}, :task_id, :holder, {now} + :lease_seconds, :task_name, {now})"
+
+# -- leases -------------------------------------------------------------------------------------
+
+TEMPLATES: dict[str, str] = {
+    "renew": (
+        "UPDATE concurrency_slots SET expires_at = {now} + :lease_seconds "
+        "WHERE run_id IN :run_ids AND expires_at > {now}"
+    ),
+    "renewed": (
+        "SELECT run_id, COUNT(*) FROM concurrency_slots WHERE run_id IN :run_ids AND expires_at > {now} GROUP BY run_id"
+    ),
+    "release_run": "DELETE FROM concurrency_slots WHERE run_id = :run_id",
+    "release_holder": "DELETE FROM concurrency_slots WHERE task_id = :task_id AND holder = :holder AND run_id <> ''",
+    "release_task": "DELETE FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''",
+    # Sentinels have a NULL expiry, which no comparison matches: the sweep keeps them.
+    "sweep": "DELETE FROM concurrency_slots WHERE expires_at <= {now}",
+    "sweep_tombstones": "DELETE FROM concurrency_waiters WHERE done_until <= {now}",
+    "status": (
+        "SELECT s.slot, s.slot_limit, "
+        "(SELECT COUNT(DISTINCT l.task_id) FROM concurrency_slots l WHERE l.slot = s.slot AND l.expires_at > {now}), "
+        "(SELECT COUNT(*) FROM concurrency_slots l WHERE l.slot = s.slot AND l.expires_at <= {now}) "
+        "FROM concurrency_slots s WHERE s.run_id = '' ORDER BY s.slot"
+    ),
+    "leases_all": (
+        "SELECT slot, task_id, run_id, holder, expires_at - {now}, task_name, {now} - acquired_at "
+        "FROM concurrency_slots WHERE run_id <> '' ORDER BY slot, expires_at"
+    ),
+    "leases_of_slot": (
+        "SELECT slot, task_id, run_id, holder, expires_at - {now}, task_name, {now} - acquired_at "
+        "FROM concurrency_slots WHERE run_id <> '' AND slot = :slot ORDER BY slot, expires_at"
+    ),
+    # Prune: lock the candidate sentinels first (admission locks them too, so after this no
+    # lease can be added to them), find the held and waited-for ones in later statements, then
+    # delete sentinels and expired leases of the others, and the tombstones of their tasks.
+    "prune_candidates": (
+        "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot LIKE :pattern ESCAPE '/' ORDER BY slot"
+    ),
+    "prune_locked_candidates": (
+        "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot LIKE :pattern ESCAPE '/' "
+        "ORDER BY slot{for_update}"
+    ),
+    "prune_live": (
+        "SELECT DISTINCT slot FROM concurrency_slots WHERE slot IN :slots AND run_id <> '' AND expires_at > {now}"
+    ),
+    "prune_waited": "SELECT DISTINCT slot FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL",
+    "prune_delete": "DELETE FROM concurrency_slots WHERE slot IN :slots",
+    "prune_tombstones": (
+        "SELECT DISTINCT task_id FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NOT NULL"
+    ),
+    "delete_tombstones": "DELETE FROM concurrency_waiters WHERE task_id IN :task_ids AND done_until IS NOT NULL",
+    # -- the waiting list ----------------------------------------------------------------------
+    # Sentinels of slots that already have one: lock them in slot order (SQLite: BEGIN IMMEDIATE
+    # holds the write lock already).
+    "lock": "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot IN :slots ORDER BY slot{for_update}",
+    # Slots beyond those a release already locked: take what is free, never wait (waiting out of
+    # slot order could deadlock); a waiter needing a skipped slot is passed over this time and
+    # dispatched by a later release or by recovery.
+    "lock_more": "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot IN :slots ORDER BY slot{skip_locked}",
+    "task_listed": "SELECT 1 FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NULL",
+    # Entries (waiting or dispatched, not tombstones) per slot of :slots.
+    "listed_per_slot": (
+        "SELECT slot, COUNT(*) FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL GROUP BY slot"
+    ),
+    # A task parking again: its tombstone gives way, and its count of dispatches lives on.
+    "tombstone_dispatches": (
+        "SELECT dispatches FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NOT NULL"
+    ),
+    "delete_tombstone": "DELETE FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NOT NULL",
+    # A task's entry: every row has the same state.
+    "entry": (
+        "SELECT dispatch_run_id, done_until, claimed_by, slot FROM concurrency_waiters WHERE task_id = :task_id "
+        "ORDER BY slot"
+    ),
+    "lock_entry": (
+        "SELECT dispatch_run_id, done_until, claimed_by, slot FROM concurrency_waiters WHERE task_id = :task_id "
+        "ORDER BY slot{for_update}"
+    ),
+    "run_slots": "SELECT slot FROM concurrency_slots WHERE run_id = :run_id",
+    "holder_slots": (
+        "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND holder = :holder AND run_id <> ''"
+    ),
+    "task_slots": "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''",
+    # The listed slots of one cap (recovery of some caps): the slot named like it, and its keys'.
+    "cap_slots": (
+        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL "
+        "AND (slot = :cap OR slot LIKE :pattern ESCAPE '/')"
+    ),
+    # Every slot of every listed entry (waiting or dispatched) that waits for one of :slots.
+    "listed_slots": (
+        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_id IN "
+        "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL)"
+    ),
+    # Every slot of every waiting task that waits for one of :slots (to lock them all, in order).
+    "waiting_slots": (
+        "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN "
+        "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND dispatch_run_id IS NULL)"
+    ),
+    # The slots (of :slots, or any) with waiting entries where a waiter may fit: fewer live
+    # holders than the highest limit its waiters were parked with (read without locks: recovery
+    # locks these).
+    "slots_with_room": (
+        "SELECT w.slot FROM concurrency_waiters w WHERE w.dispatch_run_id IS NULL AND w.slot IN :slots "
+        "GROUP BY w.slot HAVING (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
+        "WHERE c.slot = w.slot AND c.expires_at > {now}) < MAX(w.slot_limit)"
+    ),
+    "all_slots_with_room": (
+        "SELECT w.slot FROM concurrency_waiters w WHERE w.dispatch_run_id IS NULL "
+        "GROUP BY w.slot HAVING (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
+        "WHERE c.slot = w.slot AND c.expires_at > {now}) < MAX(w.slot_limit)"
+    ),
+    # The waiters of :slots in their order, a batch at a time (keyset: from the row ordered at
+    # :first/:parked/:task_id on).  Every row of one waiter has the same order key, so a waiter's
+    # rows are adjacent.
+    "waiting_rows": (
+        "SELECT task_id, slot, slot_limit, slot_count, first_deferred_at, parked_at, task_name "
+        "FROM concurrency_waiters WHERE slot IN :slots AND dispatch_run_id IS NULL AND ("
+        "first_deferred_at > :first OR (first_deferred_at = :first AND "
+        "(parked_at > :parked OR (parked_at = :parked AND task_id >= :task_id)))) "
+        "ORDER BY first_deferred_at, parked_at, task_id LIMIT :batch"
+    ),
+    "live": "SELECT DISTINCT slot, task_id FROM concurrency_slots WHERE slot IN :slots AND expires_at > {now}",
+    # A dispatch (with or without leases), only of an entry that still waits.
+    "mark_dispatched": (
+        "UPDATE concurrency_waiters SET dispatch_run_id = :run_id, dispatch_expires_at = {now} + :lease_seconds, "
+        "dispatches = dispatches + 1 WHERE task_id = :task_id AND dispatch_run_id IS NULL"
+    ),
+    "payloads": "SELECT task_id, payload, task_name FROM concurrency_waiters WHERE task_id IN :task_ids",
+    # A claim: the task's leases of the dispatch run (locked), and whether each is live.
+    "claim_leases": (
+        "SELECT holder, CASE WHEN expires_at > {now} THEN 1 ELSE 0 END FROM concurrency_slots "
+        "WHERE run_id = :run_id AND task_id = :task_id{for_update}"
+    ),
+    "claim": (
+        "UPDATE concurrency_slots SET holder = :holder, expires_at = {now} + :lease_seconds "
+        "WHERE run_id = :run_id AND task_id = :task_id"
+    ),
+    # (:minimum: the dispatches from which a claimed entry leaves a tombstone; 0: always.)
+    "settle_tombstone": (
+        "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds, claimed_by = :holder "
+        "WHERE task_id = :task_id AND dispatch_run_id = :run_id AND done_until IS NULL AND dispatches >= :minimum"
+    ),
+    "settle_delete": (
+        "DELETE FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id = :run_id "
+        "AND done_until IS NULL AND dispatches < :minimum"
+    ),
+    "delete_waiting": "DELETE FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id IS NULL",
+    "tombstone": (
+        "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds "
+        "WHERE task_id = :task_id AND dispatch_run_id = :run_id AND done_until IS NULL"
+    ),
+    "expired_dispatches": (
+        "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
+        "WHERE dispatch_expires_at <= {now} AND done_until IS NULL ORDER BY task_id"
+    ),
+    "expired_dispatches_of": (
+        "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
+        "WHERE dispatch_expires_at <= {now} AND done_until IS NULL "
+        "AND task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots) ORDER BY task_id"
+    ),
+    "undispatch": (
+        "UPDATE concurrency_waiters SET dispatch_run_id = NULL, dispatch_expires_at = NULL "
+        "WHERE task_id = :task_id AND dispatch_run_id = :run_id AND done_until IS NULL"
+    ),
+    # A dispatch's leases, never a run's (a claimed lease's holder is its run's).
+    "delete_dispatch_leases": (
+        f"DELETE FROM concurrency_slots WHERE run_id = :run_id AND task_id = :task_id AND holder = '{DISPATCH_HOLDER}'"
+    ),
+    # Waiting entries to dispatch without leases, oldest first: first deferred before :before.
+    "overdue": (
+        "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
+        "WHERE dispatch_run_id IS NULL AND first_deferred_at < :before "
+        "ORDER BY first_deferred_at, parked_at, task_id"
+    ),
+    "overdue_of": (
+        "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
+        "WHERE dispatch_run_id IS NULL AND first_deferred_at < :before "
+        "AND task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots) "
+        "ORDER BY first_deferred_at, parked_at, task_id"
+    ),
+    "waiting_of_slot": (
+        "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
+        "WHERE slot = :slot AND dispatch_run_id IS NULL ORDER BY first_deferred_at, parked_at, task_id"
+    ),
+    "slots_of_tasks": "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN :task_ids",
+    "waiters_all": (
+        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id "
+        "FROM concurrency_waiters WHERE done_until IS NULL ORDER BY slot, first_deferred_at, parked_at, task_id"
+    ),
+    "waiters_of_slot": (
+        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id "
+        "FROM concurrency_waiters WHERE done_until IS NULL AND slot = :slot "
+        "ORDER BY slot, first_deferred_at, parked_at, task_id"
+    ),
+}
+
+_LISTS = ("slots", "task_ids", "run_ids")
+
+
+class Statements:
+    """The statements of :data:`TEMPLATES` compiled for one dialect (``statements["sweep"]``),
+    and the admission statements per number of slots."""
+
+    def __init__(self, dialect: Dialect) -> None:
+        self.dialect = dialect
+        self._compiled = {name: self._compile(template) for name, template in TEMPLATES.items()}
+        self._by_count: dict[tuple[str, int], sa.TextClause] = {}
+
+    def _compile(self, template: str) -> sa.TextClause:
+        dialect = self.dialect
+        text = template.format(
+            now=dialect.now, for_update=dialect.for_update, skip_locked=dialect.for_update_skip_locked
+        )
+        statement = sa.text(text)
+        for name in _LISTS:
+            if f":{name}" in text:
+                statement = statement.bindparams(sa.bindparam(name, expanding=True))
+        return statement
+
+    def __getitem__(self, name: str) -> sa.TextClause:
+        return self._compiled[name]
+
+    def for_slots(self, kind: str, count: int) -> sa.TextClause:
+        """``kind`` (``"lock_sentinels"``, ``"count_live"`` or ``"insert_leases"``) over ``count``
+        slots, bound as ``:s0``.. in slot order (see :func:`admission_params`)."""
+        statement = self._by_count.get((kind, count))
+        if statement is None:
+            dialect = self.dialect
+            template, row = {
+                "lock_sentinels": (dialect.lock_sentinels, SENTINEL_ROW),
+                "count_live": (COUNT_LIVE, ""),
+                "insert_leases": (dialect.insert_leases, LEASE_ROW),
+            }[kind]
+            values = ", ".join(row.format(i=i, now=dialect.now) for i in range(count))
+            slots = ", ".join(f":s{i}" for i in range(count))
+            statement = sa.text(template.format(values=values, slots=slots, now=dialect.now))
+            self._by_count[(kind, count)] = statement
+        return statement
+
+
+def admission_params(
+    slots: Mapping[str, int], task_id: str, run_id: str, holder: str, lease_seconds: float, task_name: str | None
+) -> dict[str, Any]:
+    """Bind parameters of the admission statements: slot ``i`` in sorted order is ``:s{i}``, its
+    limit ``:l{i}``."""
+    params: dict[str, Any] = {
+        "task_id": task_id,
+        "run_id": run_id,
+        "holder": holder,
+        "lease_seconds": lease_seconds,
+        "task_name": task_name,
+    }
+    for i, slot in enumerate(sorted(slots)):
+        params[f"s{i}"] = slot
+        params[f"l{i}"] = slots[slot]
+    return params
+
+
+def like_prefix(prefix: str) -> str:
+    """A LIKE pattern (escape character ``/``) matching the names that start with ``prefix``."""
+    return prefix.replace("/", "//").replace("%", "/%").replace("_", "/_") + "%"
+
+
+# -- PostgreSQL: calls of its functions (postgresql.sql), in psycopg's parameter style ----------
+
+POSTGRESQL_CALLS = {
+    "acquire": (
+        "SELECT concurrency_slots_acquire(%(slots)s, %(limits)s, %(task_id)s, %(run_id)s, %(holder)s, "
+        "%(lease_seconds)s, %(task_name)s)"
+    ),
+    "park": (
+        "SELECT concurrency_slots_park(%(slots)s, %(limits)s, %(task_id)s, %(run_id)s, %(holder)s, "
+        "%(lease_seconds)s, %(task_name)s, %(payload)s, %(first_deferred_at)s, %(max_waiters)s)"
+    ),
+    "release": "DELETE FROM concurrency_slots WHERE run_id = %(run_id)s",
+    "release_and_wake": (
+        "SELECT o_deleted, o_task_id, o_run_id, o_payload, o_task_name "
+        "FROM concurrency_slots_release_and_wake(%(run_id)s, %(dispatch_lease_seconds)s)"
+    ),
+    "claim": (
+        "SELECT concurrency_slots_claim(%(task_id)s, %(run_id)s, %(holder)s, %(lease_seconds)s, "
+        "%(redelivered)s, %(done_seconds)s)"
+    ),
+    "renew": (
+        "UPDATE concurrency_slots SET expires_at = concurrency_slots_now() + %(lease_seconds)s "
+        "WHERE run_id = ANY(%(run_ids)s) AND expires_at > concurrency_slots_now() RETURNING run_id"
+    ),
+    "has_schema_version": "SELECT to_regproc('concurrency_slots_schema_version') IS NOT NULL",
+    "schema_version": "SELECT concurrency_slots_schema_version()",
+    # Serialises workers that start at once and would race to create the functions.
+    "schema_lock": "SELECT pg_advisory_xact_lock(hashtext('celery-caps-schema'))",
+}

@@ -1,0 +1,380 @@
+"""The portable SQL store's waiting list (the park strategy): ``concurrency_waiters``.
+
+One row per parked task and slot it needs.  Parking and waking lock the same sentinels as
+admission, so each is atomic with it; a claim, a forget and recovery's return of an expired
+dispatch take a dispatch's leases before its entry (the lock order of :mod:`.leases`).  Every
+change of an entry's state is conditional on the state it was read in (a waiting entry is
+dispatched only ``WHERE dispatch_run_id IS NULL``, and so on), so a step that lost a race to
+another changes nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ...errors import StoreError
+from ..base import DISPATCH_HOLDER, ClaimOutcome, ParkingStore, ParkOutcome, ParkRequest, Waiter, Woken
+from .leases import BATCH, SQLLeaseStore, _cut, as_text
+from .schema import concurrency_waiters
+from .statements import admission_params, like_prefix
+
+#: Waiter rows read per batch when a release looks for waiters to dispatch.
+WAITING_BATCH = 64
+#: Earlier than any first-deferral or park time (a finite number: MySQL has no infinity).
+_BEFORE_ANY_TIME = -1e300
+#: Reads of a task's entry by ``forget`` while other steps keep changing it.
+_FORGET_ATTEMPTS = 5
+
+
+class SQLStore(SQLLeaseStore, ParkingStore):
+    """The SQL store: leases (:class:`.SQLLeaseStore`) and the waiting list, in portable SQL."""
+
+    # -- parking ------------------------------------------------------------------------------
+
+    def park(self, request: ParkRequest) -> ParkOutcome:
+        slots = request.slots
+        ordered = sorted(slots)
+        task_name = _cut(request.task_name)
+        params = admission_params(
+            slots, request.task_id, request.run_id, request.holder, request.lease_seconds, task_name
+        )
+        statements = self.statements
+
+        def park(connection: Connection) -> ParkOutcome:
+            # The same locks as acquire, then (read after them) the task's entry and the room:
+            # parking is atomic with admission.
+            self._lock_sentinels(connection, slots, params)
+            if connection.execute(statements["task_listed"], params).first() is not None:
+                return ParkOutcome.WAITING
+            if not self._full_slots(connection, slots, params):
+                self._insert_leases(connection, len(ordered), params)
+                return ParkOutcome.ADMITTED
+            if request.payload is None:
+                return ParkOutcome.FULL
+            listed = connection.execute(statements["listed_per_slot"], {"slots": ordered}).all()
+            if any(entries >= request.max_waiters for _slot, entries in listed):
+                return ParkOutcome.LIST_FULL
+            dispatches = connection.execute(statements["tombstone_dispatches"], params).scalar() or 0
+            connection.execute(statements["delete_tombstone"], params)
+            parked_at: sa.ColumnElement[Any] = sa.literal_column(self.dialect.now)  # the store's clock
+            rows = [
+                {
+                    "slot": self.dialect.exact(slot),
+                    "task_id": self.dialect.exact(request.task_id),
+                    "slot_limit": slots[slot],
+                    "slot_count": len(ordered),
+                    "first_deferred_at": request.first_deferred_at,
+                    "parked_at": parked_at,
+                    "task_name": task_name,
+                    "payload": request.payload,
+                    "dispatches": dispatches,
+                }
+                for slot in ordered
+            ]
+            connection.execute(concurrency_waiters.insert().values(rows))
+            return ParkOutcome.PARKED
+
+        return self._transaction(park)
+
+    # -- waking -------------------------------------------------------------------------------
+
+    def _dispatch(
+        self, connection: Connection, locked: list[str], dispatch_lease_seconds: float, touching: set[str] | None
+    ) -> list[Woken]:
+        """Dispatch, with leases, the oldest waiters of the ``locked`` slots (sentinels locked)
+        that have room and (if ``touching`` is given) wait for one of the slots ``touching``.
+
+        Waiters are read in their order a batch at a time, and reading stops once every slot
+        seen is full: a release with a long waiting list reads a few rows, not all.  A waiter
+        passed over (a slot of it full, or not locked here) keeps its place.
+        """
+        statements = self.statements
+        live: dict[str, set[str]] = defaultdict(set)
+        for slot, task_id in connection.execute(statements["live"], {"slots": locked}):
+            live[as_text(slot)].add(as_text(task_id))
+        limits: dict[str, int] = {}
+        chosen: list[tuple[str, str]] = []
+        after: dict[str, Any] = {"first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
+        while True:
+            rows = connection.execute(
+                statements["waiting_rows"], {"slots": locked, "batch": WAITING_BATCH, **after}
+            ).all()
+            waiting: dict[str, dict[str, Any]] = {}
+            for task_id, slot, limit, count, first, parked, task_name in rows:
+                waiter = waiting.setdefault(
+                    as_text(task_id), {"slots": {}, "count": count, "order": (first, parked), "task_name": task_name}
+                )
+                waiter["slots"][as_text(slot)] = limit
+                limits[as_text(slot)] = limit
+            complete = list(waiting.items())
+            more = len(rows) == WAITING_BATCH and len(complete) > 1
+            if more:
+                # The last waiter's rows may go on in the next batch: read it again there.
+                next_id, next_waiter = complete.pop()
+                after = {"first": next_waiter["order"][0], "parked": next_waiter["order"][1], "task_id": next_id}
+            for task_id, waiter in complete:
+                needed: dict[str, int] = waiter["slots"]
+                if touching is not None and touching.isdisjoint(needed):
+                    continue  # read for a slot it shares with those, which it does not wait for
+                if len(needed) < waiter["count"]:
+                    continue  # one of its slots is not locked here: a later release or recovery
+                if any(task_id not in live[slot] and len(live[slot]) >= limit for slot, limit in needed.items()):
+                    continue  # passed over while one of its own slots is full; never blocks the rest
+                run_id = uuid.uuid4().hex
+                params = admission_params(
+                    needed, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds, waiter["task_name"]
+                )
+                if not connection.execute(statements["mark_dispatched"], params).rowcount:
+                    continue  # no longer waiting: a readmit or a forget took it since it was read
+                self._insert_leases(connection, len(needed), params)
+                for slot in needed:
+                    live[slot].add(task_id)
+                chosen.append((task_id, run_id))
+            if not more or all(len(live[slot]) >= limit for slot, limit in limits.items()):
+                break
+        return self._woken(connection, chosen, readmit=False)
+
+    def _readmit(self, connection: Connection, task_ids: Sequence[str], dispatch_lease_seconds: float) -> list[Woken]:
+        """Dispatch, without leases, those of ``task_ids`` that still wait, in that order (their
+        sentinels locked)."""
+        chosen = []
+        for task_id in task_ids:
+            run_id = uuid.uuid4().hex
+            params = {"task_id": task_id, "run_id": run_id, "lease_seconds": dispatch_lease_seconds}
+            if connection.execute(self.statements["mark_dispatched"], params).rowcount:
+                chosen.append((task_id, run_id))
+        return self._woken(connection, chosen, readmit=True)
+
+    def _woken(self, connection: Connection, chosen: Sequence[tuple[str, str]], readmit: bool) -> list[Woken]:
+        """The dispatches ``chosen`` (task id, dispatch run id), with their payloads and names."""
+        found: dict[str, tuple[bytes, str | None]] = {}
+        task_ids = [task_id for task_id, _run_id in chosen]
+        for start in range(0, len(task_ids), BATCH):
+            batch = task_ids[start : start + BATCH]
+            for task_id, payload, task_name in connection.execute(self.statements["payloads"], {"task_ids": batch}):
+                found.setdefault(as_text(task_id), (bytes(payload), task_name))
+        return [Woken(task_id, run_id, *found[task_id], readmit=readmit) for task_id, run_id in chosen]
+
+    def _lock_existing(self, connection: Connection, slots: Collection[str]) -> list[str]:
+        """Lock the sentinels of ``slots`` in slot order, waiting for them; the slots locked."""
+        if not slots:
+            return []
+        rows = connection.execute(self.statements["lock"], {"slots": sorted(slots)})
+        return sorted(as_text(row[0]) for row in rows)
+
+    def _wake_after_release(
+        self, connection: Connection, released: list[str], dispatch_lease_seconds: float
+    ) -> list[Woken]:
+        if not released:
+            return []
+        # Lock the released slots first: a park that counted them full has committed by then,
+        # so its waiter is seen here.
+        locked = self._lock_existing(connection, set(released))
+        waiting = self._names(connection, "waiting_slots", "slots", locked)
+        more = sorted(waiting - set(locked))
+        if more:
+            locked += [as_text(row[0]) for row in connection.execute(self.statements["lock_more"], {"slots": more})]
+        if not waiting:
+            return []
+        return self._dispatch(connection, sorted(locked), dispatch_lease_seconds, touching=set(released))
+
+    def _release_and_wake(
+        self, slots_of: str, delete: str, params: dict[str, Any], dispatch_lease_seconds: float
+    ) -> tuple[int, list[Woken]]:
+        """Delete the leases ``delete`` selects (``slots_of`` lists their slots), then wake the
+        waiters of those slots, in one transaction."""
+
+        def release(connection: Connection) -> tuple[int, list[Woken]]:
+            slots = [as_text(row[0]) for row in connection.execute(self.statements[slots_of], params)]
+            deleted = int(connection.execute(self.statements[delete], params).rowcount)
+            if not deleted:
+                return 0, []
+            return deleted, self._wake_after_release(connection, slots, dispatch_lease_seconds)
+
+        return self._transaction(release)
+
+    def release_and_wake(self, run_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
+        return self._release_and_wake("run_slots", "release_run", {"run_id": run_id}, dispatch_lease_seconds)
+
+    def release_holder_and_wake(
+        self, task_id: str, holder: str, dispatch_lease_seconds: float
+    ) -> tuple[int, list[Woken]]:
+        params = {"task_id": task_id, "holder": holder}
+        return self._release_and_wake("holder_slots", "release_holder", params, dispatch_lease_seconds)
+
+    def release_task_and_wake(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
+        return self._release_and_wake("task_slots", "release_task", {"task_id": task_id}, dispatch_lease_seconds)
+
+    # -- a woken copy's claim ---------------------------------------------------------------
+
+    def claim(
+        self, task_id: str, run_id: str, holder: str, lease_seconds: float, *, redelivered: bool = False
+    ) -> ClaimOutcome:
+        params = {
+            "task_id": task_id,
+            "run_id": run_id,
+            "holder": holder,
+            "lease_seconds": lease_seconds,
+            "done_seconds": self.done_seconds,
+        }
+        statements = self.statements
+        other_copy = ClaimOutcome.ADMIT if redelivered else ClaimOutcome.END
+
+        def settle(connection: Connection, *, tombstone: bool) -> None:
+            """The entry dispatched to this run leaves the list: a tombstone if dispatched more than
+            once (copies of its other dispatches may be on their way), or ``tombstone``."""
+            minimum = {**params, "minimum": 0 if tombstone else 2}
+            connection.execute(statements["settle_tombstone"], minimum)
+            connection.execute(statements["settle_delete"], minimum)
+
+        def claim(connection: Connection) -> ClaimOutcome:
+            # The dispatch's leases (locked), then the entry: the order of every step that changes both.
+            leases = connection.execute(statements["claim_leases"], params).all()
+            live = [lease_holder for lease_holder, alive in leases if alive]
+            # (A lease already the run's: the same claim again, its reply lost.)
+            if live and len(live) == len(leases) and all(owner in (DISPATCH_HOLDER, holder) for owner in live):
+                connection.execute(statements["claim"], params)
+                settle(connection, tombstone=False)
+                return ClaimOutcome.RUN
+            if any(owner != DISPATCH_HOLDER for owner in live):
+                return other_copy  # another copy's run holds the dispatch's slots
+            connection.execute(statements["delete_dispatch_leases"], params)
+            entry = connection.execute(statements["lock_entry"], params).first()
+            if entry is None:
+                return ClaimOutcome.ADMIT
+            dispatch_run_id, done_until, claimed_by, _slot = entry
+            if done_until is not None:
+                # This very claim's tombstone: the claim retried, its leases expired meanwhile.
+                same_claim = dispatch_run_id == run_id and claimed_by == holder
+                return ClaimOutcome.ADMIT if same_claim else other_copy
+            if dispatch_run_id != run_id:
+                return ClaimOutcome.END  # the list answers for the task
+            # No lease is left to tell a duplicate copy of this dispatch that the task was taken.
+            settle(connection, tombstone=True)
+            return ClaimOutcome.ADMIT
+
+        return self._transaction(claim)
+
+    # -- leaving the list ------------------------------------------------------------------
+
+    def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
+        statements = self.statements
+        params = {"task_id": task_id, "holder": DISPATCH_HOLDER, "done_seconds": self.done_seconds}
+
+        def forget(connection: Connection) -> tuple[int, list[Woken]]:
+            # Every dispatch lease of the task first (a release's, or one taken when it was sent:
+            # that has no entry), as a claim takes them before the entry; never a run's lease,
+            # whose holder is the run's.
+            freed = [as_text(row[0]) for row in connection.execute(statements["holder_slots"], params)]
+            deleted = connection.execute(statements["release_holder"], params).rowcount
+            woken = self._wake_after_release(connection, freed, dispatch_lease_seconds) if deleted else []
+            # Then the entry.  Each change is conditional on the state just read: one that lost a
+            # race (a dispatch, a claim, a recovery in between) changes nothing, and it is read again.
+            for _ in range(_FORGET_ATTEMPTS):
+                rows = connection.execute(statements["entry"], params).all()
+                if not rows or rows[0][1] is not None:
+                    return 0, woken  # no entry, or a tombstone
+                dispatch_run_id = rows[0][0]
+                if dispatch_run_id is None:
+                    if connection.execute(statements["delete_waiting"], params).rowcount:
+                        return 1, woken
+                    continue
+                if connection.execute(statements["tombstone"], {**params, "run_id": dispatch_run_id}).rowcount:
+                    return 1, woken
+            raise StoreError(f"forget failed on {self.display_url}: the entry of {task_id!r} kept changing")
+
+        return self._transaction(forget)
+
+    def recover(
+        self,
+        dispatch_lease_seconds: float,
+        *,
+        caps: Collection[str] | None = None,
+        readmit_before: float | None = None,
+    ) -> list[Woken]:
+        if caps is not None and not caps:
+            return []
+        statements = self.statements
+
+        def recover(connection: Connection) -> list[Woken]:
+            # The entries considered: every listed one, or those waiting for a slot of ``caps``.
+            of_slots: dict[str, Any] = {}
+            considered: set[str] | None = None  # the slots they need (None: every slot)
+            if caps is not None:
+                cap_slots: set[str] = set()
+                for cap in sorted(set(caps)):
+                    pattern = {"cap": cap, "pattern": self.dialect.exact(like_prefix(cap + ":"))}
+                    cap_slots.update(as_text(row[0]) for row in connection.execute(statements["cap_slots"], pattern))
+                if not cap_slots:
+                    return []
+                of_slots = {"slots": sorted(cap_slots)}
+                considered = self._names(connection, "listed_slots", "slots", cap_slots)
+            # Dispatches past their deadline wait again at their place: their leases first, as a
+            # claim takes them, one dispatch after the other in task order (so concurrent
+            # recoveries never wait for each other in a circle).
+            expired = statements["expired_dispatches" if caps is None else "expired_dispatches_of"]
+            for task_id, dispatch_run_id in connection.execute(expired, of_slots).all():
+                dispatch = {"task_id": task_id, "run_id": dispatch_run_id}
+                connection.execute(statements["delete_dispatch_leases"], dispatch)
+                connection.execute(statements["undispatch"], dispatch)
+            overdue: list[str] = []
+            if readmit_before is not None:
+                statement = statements["overdue" if caps is None else "overdue_of"]
+                rows = connection.execute(statement, {"before": readmit_before, **of_slots})
+                overdue = [as_text(row[0]) for row in rows]
+            # The slots where a waiter may fit (read without locks: a slot that gains room after
+            # this read is served by its release, or by the next recovery), and the other slots
+            # their waiters need.
+            if considered is None:
+                room = {as_text(row[0]) for row in connection.execute(statements["all_slots_with_room"])}
+            else:
+                room = self._names(connection, "slots_with_room", "slots", considered)
+            walked = room | self._names(connection, "waiting_slots", "slots", room)
+            # Every sentinel at once, in slot order: readmits and dispatches change waiting entries
+            # only under the locks of their slots, as a release's dispatches do.
+            overdue_slots = self._names(connection, "slots_of_tasks", "task_ids", overdue)
+            locked = self._lock_existing(connection, walked | overdue_slots)
+            woken = self._readmit(connection, overdue, dispatch_lease_seconds)
+            if room:
+                walk = [slot for slot in locked if slot in walked]
+                woken += self._dispatch(connection, walk, dispatch_lease_seconds, touching=considered)
+            return woken
+
+        return self._transaction(recover)
+
+    def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
+        def readmit(connection: Connection) -> list[Woken]:
+            rows = connection.execute(self.statements["waiting_of_slot"], {"slot": slot})
+            task_ids = [as_text(row[0]) for row in rows]
+            if not task_ids:
+                return []
+            # Under the sentinels of their slots, as every change of a waiting entry.
+            self._lock_existing(connection, self._names(connection, "slots_of_tasks", "task_ids", task_ids))
+            return self._readmit(connection, task_ids, dispatch_lease_seconds)
+
+        return self._transaction(readmit)
+
+    def waiters(self, slot: str | None = None) -> list[Waiter]:
+        statement, params = ("waiters_all", {}) if slot is None else ("waiters_of_slot", {"slot": slot})
+
+        def read(connection: Connection) -> list[Waiter]:
+            result = []
+            positions: dict[str, int] = defaultdict(int)
+            for name, task_id, task_name, first, age, dispatch_run_id in connection.execute(
+                self.statements[statement], params
+            ):
+                name = as_text(name)
+                positions[name] += 1
+                dispatched = dispatch_run_id is not None
+                result.append(
+                    Waiter(name, as_text(task_id), task_name, float(first), float(age), positions[name], dispatched)
+                )
+            return result
+
+        return self._transaction(read, single_statement=True)

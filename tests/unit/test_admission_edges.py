@@ -1,0 +1,122 @@
+"""Admission at its edges, through a real embedded worker (solo pool, in-memory broker).
+
+A copy put back with backoff waits its countdown, whatever the clock of the worker that
+put it back.
+
+Celery turns a countdown into an absolute ETA by the publisher's clock, so a copy put back by
+a worker an hour ahead would wait an hour on the others.  The put-back therefore carries its
+countdown in a header, and the receiving worker's request waits at most that long (the
+chaos test ``test_chaos_clock_skew`` runs the same with workers really an hour apart).
+
+A task whose admission meets input no store can keep (a task id of 300 characters, say)
+fails at once, naming the value: it is not deferred as if the store were away.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from celery import Celery, signals
+from celery.contrib.testing.worker import start_worker
+from kombu.message import Message
+
+from celery_caps import Cap, CappedTask
+from celery_caps.backoff import COUNTDOWN_HEADER
+from celery_caps.caps import slots_for
+from celery_caps.stores.memory import MemoryStore
+from celery_caps.worker import CappedRequest
+
+BACKOFF_SECONDS = 0.2
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("put-back", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(
+        caps_url=MemoryStore(),
+        caps_strategy="backoff",
+        caps_backoff_min_seconds=BACKOFF_SECONDS,
+        caps_backoff_max_seconds=BACKOFF_SECONDS,
+        caps_sweep_interval_seconds=None,
+    )
+    yield app
+    app.close()
+
+
+def test_a_put_back_copy_carries_its_countdown_and_waits_no_longer(app: Celery) -> None:
+    @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False)
+    def call(value: int) -> int:
+        return value * 2
+
+    received: list[Any] = []
+    arrived = threading.Event()
+
+    def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+        received.append(request)
+        if len(received) >= 2:
+            arrived.set()
+
+    signals.task_received.connect(on_received, weak=False)
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+            # Given the cap's only slot held by another run
+            store = app.conf.caps_url
+            held = store.acquire(slots_for(call._caps, (21,), {}), "other-task", "other-run", "elsewhere", 30.0)
+            assert held.granted
+            # When the task arrives: it is put back with backoff, and its copy returns
+            result = call.delay(21)
+            assert arrived.wait(10), f"the put-back copy did not arrive ({len(received)} received)"
+            copy = received[1]
+            # Then the copy carries its countdown, and its ETA is at most that far ahead
+            assert copy.id == result.id
+            countdown = copy._request_dict.get(COUNTDOWN_HEADER)
+            assert isinstance(countdown, float) and 0 < countdown <= BACKOFF_SECONDS, countdown
+            assert copy.eta is not None
+            assert copy.eta <= datetime.now(timezone.utc) + timedelta(seconds=countdown)
+
+            # ... and the same message, its ETA written by a clock an hour ahead, still waits
+            # no longer than its countdown here
+            message = copy._message
+            skewed_eta = (datetime.now(timezone.utc) + timedelta(hours=1)).isoformat()
+            ahead = Message(
+                body=message.body,
+                content_type=message.content_type,
+                content_encoding=message.content_encoding,
+                delivery_info=message.delivery_info,
+                properties=message.properties,
+                headers={**message.headers, "eta": skewed_eta, "id": uuid.uuid4().hex},
+            )
+            request = CappedRequest(ahead, app=app, task=call)
+            assert request.eta is not None
+            assert request.eta <= datetime.now(timezone.utc) + timedelta(seconds=countdown)
+
+            # ... and once the slot is free the task runs
+            store.release("other-run")
+            assert result.get(timeout=10) == 42
+    finally:
+        signals.task_received.disconnect(on_received)
+
+
+@pytest.mark.parametrize("strategy", ["park", "backoff"])
+def test_a_task_id_no_store_can_keep_fails_the_task_naming_it(app: Celery, strategy: str) -> None:
+    app.conf.caps_strategy = strategy
+
+    @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False)
+    def call(value: int) -> int:
+        return value * 2
+
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        result = call.apply_async((21,), task_id="t" * 300)
+        with pytest.raises(Exception) as raised:
+            result.get(timeout=10)
+        assert result.state == "FAILURE"
+        assert type(raised.value).__name__ == "StoreInputError"
+        assert "is longer than 255 characters" in str(raised.value)
+        # ... and nothing was taken, and a task with a good id runs as usual
+        assert app.conf.caps_url.leases() == []
+        assert call.delay(2).get(timeout=10) == 4
