@@ -219,6 +219,6 @@ class CapsSettings:
         if self.url is None or self.url == "":
             raise ConfigurationError(
                 "caps_url is not set: capped tasks cannot run uncapped. Set app.conf.caps_url "
-                "(for example 'sqlite:///caps.db' or 'postgresql+psycopg://user@host/db')"
+                "(for example 'sqlite:////absolute/path/caps.db' or 'postgresql+psycopg://user@host/db')"
             )
         return self.url

@@ -35,7 +35,7 @@ from celery import bootsteps, signals
 from celery.worker.request import Request
 
 from . import park
-from .errors import LeaseLost, StoreError
+from .errors import ConfigurationError, LeaseLost, StoreError
 from .history import HistoryRecorder
 from .metrics import metrics_for
 from .settings import CapsSettings
@@ -558,6 +558,38 @@ def _is_capped(task: Any) -> bool:
     return bool(getattr(task, "_caps", ()))
 
 
+def tasks_capped_without_base(app: Celery) -> list[str]:
+    """The names of ``app``'s tasks declared with ``cap=`` but not ``base=CappedTask``.
+
+    Celery keeps an option it does not know as a class attribute of the task: such a task
+    has a ``cap`` holding :class:`~celery_caps.Cap` objects and runs uncapped.
+    """
+    from .caps import Cap
+    from .task import CappedTask
+
+    found = []
+    for name, task in sorted(app.tasks.items()):
+        if isinstance(task, CappedTask):
+            continue
+        value = getattr(task, "cap", None)
+        values = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
+        if any(isinstance(item, Cap) for item in values):
+            found.append(name)
+    return found
+
+
+def refuse_tasks_capped_without_base(app: Celery) -> None:
+    """Raise :class:`ConfigurationError` naming every task of ``app`` that declares ``cap=``
+    without ``base=CappedTask`` (it would run uncapped, silently)."""
+    names = tasks_capped_without_base(app)
+    if names:
+        raise ConfigurationError(
+            f"task(s) {', '.join(names)} declare cap= without base=CappedTask, so Celery would run them "
+            "uncapped. Declare them as @app.task(base=CappedTask, cap=...) "
+            "(from celery_caps import CappedTask), or remove cap="
+        )
+
+
 def _release_dead_run(request: Request, reason: str) -> None:
     """From the main process: release what a child held for ``request`` before it died."""
     task = request.task
@@ -698,7 +730,8 @@ class Recovery(threading.Thread):
 
 
 class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Refuses to start a worker whose app has capped tasks but no usable caps settings;
+    """Refuses to start a worker whose app has capped tasks but no usable caps settings, or
+    tasks given ``cap=`` without ``base=CappedTask``;
     serves the metrics endpoint (``caps_metrics_port``, ``--caps-metrics-port``); runs
     :class:`Recovery` with park in use."""
 
@@ -709,6 +742,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self._metrics_server: Any = None
         self._recovery: Recovery | None = None
         app = worker.app
+        refuse_tasks_capped_without_base(app)
         capped = sorted(name for name, task in app.tasks.items() if _is_capped(task))
         if not capped:
             return
@@ -780,8 +814,11 @@ def _install_on_worker_init(sender: Any = None, **_: Any) -> None:
     # Before the worker builds its steps: an app with caps configured gets them (the wake queues
     # of every queue it consumes, the checks at start) whatever tasks it has registered yet, so
     # that tasks registered later (Celery's test worker and its reload()) park and wake too.
+    # An app with a task given cap= without base=CappedTask gets them too: their check refuses
+    # to start the worker (an exception raised here would only be logged).  The worker has
+    # imported its task modules and finalized the app by now.
     app = getattr(sender, "app", None)
-    if app is not None and app.conf.get("caps_url") not in (None, ""):
+    if app is not None and (app.conf.get("caps_url") not in (None, "") or tasks_capped_without_base(app)):
         from .sweep import install
 
         install(app)
