@@ -103,6 +103,7 @@ def test_without_its_functions_the_store_runs_the_portable_steps(url: str, caplo
 
 def test_threads_that_come_and_go_share_a_few_connections_and_keep_none_of_their_own(store: PostgreSQLStore) -> None:
     store.status()  # the schema, first
+    store.pool.idle_seconds = 0.5
     # When 40 short-lived threads, one after the other, then 40 at once, each admit and release
     errors: list[BaseException] = []
 
@@ -124,13 +125,51 @@ def test_threads_that_come_and_go_share_a_few_connections_and_keep_none_of_their
     for thread in threads:
         thread.join(60)
 
-    # Then none waited for a connection (no pool limit reached), and the store keeps at most
-    # KEEP_IDLE of them open afterwards (plus the engine's pooled one that status() used)
+    # Then none waited for a connection (no pool limit reached), and once the extra ones have
+    # sat unused for the pool's idle time, the next call leaves at most KEEP_IDLE of them open
+    # (plus the engine's pooled one that status() used)
     assert errors == []
     assert time.monotonic() - started < 30
+    time.sleep(store.pool.idle_seconds + 0.1)
+    one_task(80)
+    assert errors == []
     assert store.pool.idle <= KEEP_IDLE
     assert server_connections(store) <= KEEP_IDLE + 1
     assert store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+def test_threads_busy_at_once_keep_their_connections_instead_of_reconnecting(store: PostgreSQLStore) -> None:
+    # Given a process whose 8 threads are each in a store call at the same moment, twice (a
+    # busy threads pool: calls overlap)
+    store.status()
+    opened = 0
+    connect = store.pool._connect
+
+    def counting_connect() -> Any:
+        nonlocal opened
+        opened += 1
+        return connect()
+
+    store.pool._connect = counting_connect  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            store.pool.execute("SELECT pg_sleep(0.2)", {})
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    for _ in range(2):
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    # Then the second burst found the first one's connections kept (more than KEEP_IDLE of
+    # them, for the pool's idle time), and opened none
+    assert errors == []
+    assert opened == 8, opened
+    assert store.pool.idle == 8
 
 
 def test_a_warm_up_rehearses_each_threads_connection_and_rolls_it_back(store: PostgreSQLStore) -> None:

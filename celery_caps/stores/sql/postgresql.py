@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 
 #: The slot names a warm-up rehearses the hot path on (in a transaction rolled back: never seen).
 WARM_UP_SLOT_PREFIX = "celery-caps-warm-up:"
-#: Idle hot-path connections a pool keeps at least (more are closed when given back).
+#: Idle hot-path connections a pool keeps however long they sit unused.
 KEEP_IDLE = 4
+#: Seconds an idle connection beyond KEEP_IDLE is kept for the next calls before it is closed.
+IDLE_SECONDS = 30.0
 
 
 def function_statements() -> list[str]:
@@ -66,17 +68,22 @@ _INHERITED: list[Any] = []
 class DriverPool:
     """psycopg connections in autocommit for the hot path, each checked out for one call.
 
-    At most ``keep_idle`` idle connections are kept (more are closed when given back), so a
-    process whose threads come and go holds what its busiest moment needed, never one per
-    thread that ever called.  A connection whose call failed is closed, never reused.  After a
-    fork the parent's connections are left alone.  Connections come from the engine (its
-    connect arguments and events) and are detached from its pool at once.
+    A busy process keeps as many as it uses at once (a threads pool's concurrency, say); the
+    idle ones beyond ``keep_idle`` are closed once unused for ``idle_seconds`` (checked at each
+    call), so a process whose threads come and go holds what its recent busiest moment needed,
+    never one per thread that ever called, and none waits for a connection.  The most recently
+    used connection is handed out first, so the extra ones age.  A connection whose call failed
+    is closed, never reused.  After a fork the parent's connections are left alone.
+    Connections come from the engine (its connect arguments and events) and are detached from
+    its pool at once.
     """
 
-    def __init__(self, engine: Engine, keep_idle: int = KEEP_IDLE) -> None:
+    def __init__(self, engine: Engine, keep_idle: int = KEEP_IDLE, idle_seconds: float = IDLE_SECONDS) -> None:
         self._engine = engine
         self.keep_idle = keep_idle
-        self._idle: list[psycopg.Connection[Any]] = []
+        self.idle_seconds = idle_seconds
+        # (connection, when it was given back: time.monotonic()), the most recent last.
+        self._idle: list[tuple[psycopg.Connection[Any], float]] = []
         self._lock = threading.Lock()
         self._pid = os.getpid()
         # A rehearsal's connection, used by every call of its thread until it is given back.
@@ -110,9 +117,11 @@ class DriverPool:
         if os.getpid() != self._pid:
             self._forget_inherited()
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._connect()
+            connection = self._idle.pop()[0] if self._idle else None
+            stale = self._stale()
+        for old in stale:
+            self._close(old)
+        return connection if connection is not None else self._connect()
 
     def _connect(self) -> psycopg.Connection[Any]:
         fairy = self._engine.raw_connection()
@@ -122,12 +131,21 @@ class DriverPool:
         return connection
 
     def _checkin(self, connection: psycopg.Connection[Any]) -> None:
+        if os.getpid() != self._pid:
+            return  # the parent's (a pinned rehearsal across a fork): left alone
         with self._lock:
-            if os.getpid() == self._pid and len(self._idle) < self.keep_idle:
-                self._idle.append(connection)
-                return
-        if os.getpid() == self._pid:
-            self._close(connection)
+            self._idle.append((connection, time.monotonic()))
+            stale = self._stale()
+        for old in stale:
+            self._close(old)
+
+    def _stale(self) -> list[psycopg.Connection[Any]]:
+        """Take the idle connections beyond ``keep_idle`` unused for ``idle_seconds`` (the lock held)."""
+        deadline = time.monotonic() - self.idle_seconds
+        stale = []
+        while len(self._idle) > self.keep_idle and self._idle[0][1] <= deadline:
+            stale.append(self._idle.pop(0)[0])
+        return stale
 
     @staticmethod
     def _close(connection: psycopg.Connection[Any]) -> None:
@@ -162,7 +180,7 @@ class DriverPool:
         self._checkin(connection)
 
     def _forget_inherited(self) -> None:
-        _INHERITED.extend(self._idle)
+        _INHERITED.extend(connection for connection, _returned in self._idle)
         self._idle = []
         self._lock = threading.Lock()
         self._pinned = threading.local()
@@ -174,7 +192,7 @@ class DriverPool:
             return
         with self._lock:
             idle, self._idle = self._idle, []
-        for connection in idle:
+        for connection, _returned in idle:
             self._close(connection)
 
 
