@@ -21,7 +21,7 @@ STORE_ERROR_POLICIES: tuple[StoreErrorPolicy, ...] = ("defer", "run", "fail")
 LeaseLostPolicy = Literal["continue", "stop"]
 LEASE_LOST_POLICIES: tuple[LeaseLostPolicy, ...] = ("continue", "stop")
 
-#: Every setting with its default; the README's configuration table mirrors this.
+#: Every setting with its default; docs/settings.md describes each.
 DEFAULTS: dict[str, Any] = {
     "caps_url": None,
     "caps_lease_seconds": 30.0,

@@ -311,7 +311,7 @@ def _signal_mid_run(fleet: Fleet, worker: Worker, signum: signal.Signals, pool: 
     Seen on prefork twice in CI, never in 9 runs here (once SIGTERM: the main process waited in
     the pool's join for a pool process, about 31 s; once SIGQUIT, not exited within 30 s), and on
     gevent after SIGQUIT in 2 of about 12 runs in one session: Celery 5.7 runs its cold shutdown,
-    the pool's join included, inside the signal handler (see the README's "Every pool"). A worker
+    the pool's join included, inside the signal handler (see docs/worker-options.md). A worker
     that never exits is reported as an expected failure, not hidden as a pass."""
 
     def moment_mid_run() -> float | None:

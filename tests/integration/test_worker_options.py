@@ -6,7 +6,7 @@ with no beat, and checks from outside what a user would (task bodies record thei
 starts and ends, ``fleetapp.Recorder``): every task finishes exactly once (at least once
 where the option's fault cuts runs short, and only those twice), measured concurrency never
 passes a cap, no lease and no waiting entry is left, and no body starts after a warm shutdown
-began.  ``docs/park.md`` says what each option means for a cap.
+began.  ``docs/worker-options.md`` says what each option means for a cap.
 """
 
 from __future__ import annotations
