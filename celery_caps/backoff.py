@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from celery.exceptions import Reject
 
 from .errors import CapWaitExceeded, StoreError
+from .health import describe
 from .park import DISPATCH_HEADER, REPUBLISHING
 
 if TYPE_CHECKING:
@@ -183,11 +184,11 @@ def on_store_error(
     (returns), fails (raises ``exc``) or is put back (raises ``Ignore``)."""
     policy = runtime.settings.on_store_error
     if policy == "run":
-        logger.warning("%s[%s] runs uncapped: slot store error (%s)", task.name, request.id, exc)
+        logger.warning("%s[%s] runs uncapped: slot store error (%s)", task.name, request.id, describe(exc))
         return
     if policy == "fail":
         raise exc
-    logger.warning("%s[%s] put back: slot store error (%s)", task.name, request.id, exc)
+    logger.warning("%s[%s] put back: slot store error (%s)", task.name, request.id, describe(exc))
     put_back(task, runtime, request, slots, list(slots), args, kwargs, reason="store_error")
 
 

@@ -60,6 +60,7 @@ from kombu.serialization import dumps, loads
 
 from .caps import slots_for
 from .errors import CapWaitExceeded, StoreError, StoreInputError
+from .health import describe
 from .settings import PARK, CapsSettings
 from .stores.base import (
     DISPATCH_HOLDER,
@@ -293,7 +294,10 @@ def admit(
             failures += 1
             wait = backoff.backoff_seconds(failures, settings.backoff_min_seconds, settings.backoff_max_seconds)
             log = logger.warning if failures == 1 else logger.debug
-            log("%s[%s]: claiming its dispatch failed (%s); trying again in %.1f s", task.name, request.id, exc, wait)
+            log(
+                "%s[%s]: claiming its dispatch failed (%s); trying again in %.1f s",
+                task.name, request.id, describe(exc), wait,
+            )  # fmt: skip
             time.sleep(wait)
     if decision.verdict is Verdict.RUN:
         assert decision.run_id is not None

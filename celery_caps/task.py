@@ -34,6 +34,7 @@ from celery.exceptions import Ignore, Reject
 from . import backoff, park
 from .caps import Cap, normalize_caps, slots_for
 from .errors import CapWaitExceeded, LeaseLost, StoreError
+from .health import describe
 from .settings import PARK
 from .stores.base import ParkingStore
 from .worker import CapsRuntime, holder_name, runtime_for
@@ -318,7 +319,7 @@ class CappedTask(Task):  # type: ignore[misc]
                 if settings.on_store_error != "defer":
                     backoff.on_store_error(self, runtime, request, slots, (), {}, exc)
                     return None  # "run": uncapped ("fail" raised)
-                logger.warning("%s[%s] waits: slot store error (%s)", self.name, task_id, exc)
+                logger.warning("%s[%s] waits: slot store error (%s)", self.name, task_id, describe(exc))
                 admission, run_id, full = None, "", list(slots)
             if admission is not None and admission.granted:
                 return run_id

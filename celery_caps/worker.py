@@ -36,6 +36,7 @@ from celery.worker.request import Request
 
 from . import park
 from .errors import ConfigurationError, LeaseLost, StoreError
+from .health import StoreHealth, describe
 from .history import HistoryRecorder
 from .metrics import metrics_for
 from .settings import CapsSettings
@@ -112,6 +113,8 @@ class CapsRuntime:
             self.history = HistoryRecorder(self.settings.history_seconds, self.settings.history_max_events)
         #: Whether this worker sends task events (-E); set by the worker's bootstep.
         self.send_events = False
+        #: Warns when the store cannot be used, and when it answers again.
+        self.health = StoreHealth(self.settings.on_store_error)
 
     # -- process life -------------------------------------------------------------
 
@@ -156,8 +159,9 @@ class CapsRuntime:
         failure is logged (the first task tries again)."""
         try:
             self.store.warm_up(threads=2, renewals=True)
-        except Exception as exc:  # a StoreError, or a bad setting the worker reports at start
-            logger.info("celery-caps: the slot store was not warmed up (%s); the first task connects", exc)
+        except Exception as exc:  # a StoreError (the worker's main process warns), or a bad setting
+            reason = describe(exc) if isinstance(exc, StoreError) else str(exc)
+            logger.info("celery-caps: the slot store was not warmed up (%s); the first task connects", reason)
             return
         if not park.parks(self):
             return
@@ -271,7 +275,7 @@ class CapsRuntime:
             logger.warning(
                 "could not release run %s (%s); retrying in the background (its leases expire within %.0f s)",
                 run_id,
-                exc,
+                describe(exc),
                 self.settings.lease_seconds,
             )
             self.retry_release(run_id)
@@ -323,7 +327,7 @@ class CapsRuntime:
         try:
             renewed = self.store.renew([run_id], self.settings.lease_seconds)
         except StoreError as exc:
-            logger.warning("task %s: could not check its slot lease (%s)", run.task_id, exc)
+            logger.warning("task %s: could not check its slot lease (%s)", run.task_id, describe(exc))
             return False
         if renewed.get(run_id, 0) >= run.slot_count:
             return True
@@ -447,7 +451,8 @@ class CapsRuntime:
                 done = work()
                 logger.debug("%s: done (%d)", description, done)
             except Exception as exc:
-                logger.warning("%s failed (%s); %s", description, exc, after_failure)
+                reason = describe(exc) if isinstance(exc, StoreError) else exc
+                logger.warning("%s failed (%s); %s", description, reason, after_failure)
 
         self._background.submit(run)
 
@@ -498,7 +503,7 @@ class LeaseKeeper(threading.Thread):
                 if not self._renewal_failed:
                     logger.warning(
                         "lease renewal failed (%s); %d running task(s) keep running, retrying every %.0f s",
-                        exc, len(self.runtime.held_runs()), UNRELEASED_RETRY_SECONDS,
+                        describe(exc), len(self.runtime.held_runs()), UNRELEASED_RETRY_SECONDS,
                     )  # fmt: skip
                 self._renewal_failed = True
                 continue
@@ -694,13 +699,13 @@ class Recovery(threading.Thread):
     waiters moving when no release does (:func:`celery_caps.park.recover`): dispatches never
     claimed are dispatched again, room freed by expired leases goes to waiters, waiters past
     ``caps_max_wait_seconds`` are readmitted.  Every worker runs one; several at once are safe.
-    A store outage is logged once, and its end once."""
+    A store outage is reported by the runtime's :class:`~celery_caps.health.StoreHealth`: when
+    it starts, at most once a minute while it lasts, and when it ends."""
 
     def __init__(self, runtime: CapsRuntime) -> None:
         super().__init__(name="celery-caps-recovery", daemon=True)
         self.runtime = runtime
         self._stopped = threading.Event()
-        self._failing = False
 
     def stop(self) -> None:
         self._stopped.set()
@@ -713,25 +718,63 @@ class Recovery(threading.Thread):
         try:
             published = park.recover(self.runtime)
         except StoreError as exc:
-            if not self._failing:
-                logger.warning(
-                    "celery-caps recovery: the slot store failed (%s); trying again every %.0f s", exc, RECOVERY_SECONDS
-                )
-            self._failing = True
+            self.runtime.health.failed(exc)
             return
         except Exception:  # keep recovering whatever happens
             logger.exception("celery-caps recovery crashed; trying again in %.0f s", RECOVERY_SECONDS)
             return
-        if self._failing:
-            logger.warning("celery-caps recovery: the slot store answers again")
-            self._failing = False
+        self.runtime.health.answered()
         if published:
             logger.info("celery-caps recovery: dispatched %d waiting task(s)", len(published))
 
 
+#: Seconds between two checks of a slot store that could not be used when the worker started.
+STORE_CHECK_SECONDS = 5.0
+
+
+class StoreCheck(threading.Thread):
+    """Main process, at start: connect to the slot store (and create its schema, as the first
+    task would) until it answers once, every :data:`STORE_CHECK_SECONDS`.  A worker whose store
+    is wrong or away still starts; the runtime's :class:`~celery_caps.health.StoreHealth` warns
+    (the store, its cause), reminds while it lasts, and says when the store answers."""
+
+    def __init__(self, runtime: CapsRuntime) -> None:
+        super().__init__(name="celery-caps-store-check", daemon=True)
+        self.runtime = runtime
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.check()
+            except StoreError as exc:
+                self.runtime.health.failed(exc)
+            except Exception:  # a bug here must not stop the worker
+                logger.exception("celery-caps: checking the slot store crashed")
+                return
+            else:
+                self.runtime.health.answered()
+                return
+            if self._stopped.wait(STORE_CHECK_SECONDS):
+                return
+
+    def check(self) -> None:
+        """One check, on a store of its own: the main process keeps no connection for it."""
+        settings = self.runtime.settings
+        store = store_from_url(settings.require_url(), create_schema=settings.create_schema)
+        try:
+            store.warm_up()
+        finally:
+            if store is not settings.url:  # never close a store the user handed over
+                store.close()
+
+
 class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Refuses to start a worker whose app has capped tasks but no usable caps settings, or
-    tasks given ``cap=`` without ``base=CappedTask``;
+    tasks given ``cap=`` without ``base=CappedTask``; checks the store (:class:`StoreCheck`);
     serves the metrics endpoint (``caps_metrics_port``, ``--caps-metrics-port``); runs
     :class:`Recovery` with park in use."""
 
@@ -741,6 +784,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(worker, **kwargs)
         self._metrics_server: Any = None
         self._recovery: Recovery | None = None
+        self._store_check: StoreCheck | None = None
         app = worker.app
         refuse_tasks_capped_without_base(app)
         capped = sorted(name for name, task in app.tasks.items() if _is_capped(task))
@@ -765,9 +809,8 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if settings.parking.uses_park and isinstance(store, ParkingStore):
             try:
                 durability = store.durability_warning()
-            except StoreError as exc:
+            except StoreError:  # the store check reports it once the worker starts
                 durability = None
-                logger.warning("celery-caps: the slot store %s cannot be reached (%s)", display, exc)
             if durability:
                 logger.warning("celery-caps: parked tasks can be lost: %s", durability)
         store.close()
@@ -784,6 +827,8 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         runtime = _existing_runtime(worker.app)
         if runtime is None:
             return
+        self._store_check = StoreCheck(runtime)
+        self._store_check.start()
         if runtime.settings.parking.uses_park:
             self._recovery = Recovery(runtime)
             self._recovery.start()
@@ -800,6 +845,9 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         )
 
     def stop(self, worker: Any) -> None:
+        if self._store_check is not None:
+            self._store_check.stop()
+            self._store_check = None
         if self._recovery is not None:
             self._recovery.stop()
             self._recovery = None
