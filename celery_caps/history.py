@@ -10,7 +10,9 @@ the store keeps at most ``caps_history_max_events`` events, none older than
 newest events up to the same count.
 
 ``celery caps explain`` reads a task's events; ``celery caps timeline`` rebuilds
-slot occupancy from ``ran`` events plus the leases held now.  Event times come
+slot occupancy from ``ran`` events plus the leases held now, and the tasks waiting
+for each slot from ``deferred`` events, the starts of the runs that followed and the
+waiting list now.  Event times come
 from the recording worker's clock (a picture, not an audit: skew between
 machines shifts runs by as much).  A run cut short by a crash records nothing.
 """
@@ -20,11 +22,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .errors import StoreError
-from .stores.base import HistoryEvent, Lease, SlotStore
+from .stores.base import HistoryEvent, Lease, SlotStore, Waiter
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +75,13 @@ class HistoryRecorder:
 
 @dataclass(frozen=True)
 class Occupancy:
-    """One slot's level (distinct task ids holding it) over time: ``(time, level from then on)``."""
+    """One slot's level (distinct task ids holding it, or waiting for it) over time:
+    ``(time, level from then on)``."""
 
     slot: str
     steps: list[tuple[float, int]]
+    #: The task ids counted at some point.
+    tasks: frozenset[str] = frozenset()
 
     @property
     def peak(self) -> int:
@@ -102,26 +107,77 @@ def occupancy(
         if lease.expires_in > 0:
             start = now - lease.age if lease.age is not None else since
             intervals[lease.slot][lease.task_id].append((max(start, since), now))
+    return {slot: Occupancy(slot, _steps(tasks, since, now), frozenset(tasks)) for slot, tasks in intervals.items()}
+
+
+def waiting(
+    events: Iterable[HistoryEvent], waiters: Iterable[Waiter], since: float, now: float
+) -> dict[str, Occupancy]:
+    """Rebuild how many tasks waited for each slot from ``since`` to ``now`` (epoch seconds).
+
+    A task waits for a slot from a ``deferred`` event that found the slot full (put back, or
+    parked: on arrival, or when sent, recorded by the worker that ran it) until the start of
+    its next run (a ``ran`` event).  One in the waiting list now (``waiters``, park) waits
+    until ``now``; one put back and not seen since is counted until its last put-back (it
+    waited at least that long).
+    """
+    deferred_at: dict[tuple[str, str], list[float]] = defaultdict(list)
+    starts: dict[str, list[float]] = defaultdict(list)
+    for event in events:
+        if event.kind == "deferred":
+            for slot in event.full_slots:
+                deferred_at[(slot, event.task_id)].append(event.at)
+        elif event.kind == "ran" and event.started_at is not None:
+            starts[event.task_id].append(event.started_at)
+    waiting_now = {(waiter.slot, waiter.task_id): waiter.first_deferred_at for waiter in waiters}
+    intervals: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
+    for (slot, task_id), times in deferred_at.items():
+        runs = sorted(starts.get(task_id, ()))
+        times.sort()
+        index = 0
+        while index < len(times):
+            begin = times[index]
+            end = next((start for start in runs if start >= begin), None)
+            if end is None:  # no run since: waiting now, or not seen since its last put-back
+                intervals[slot][task_id].append((begin, now if (slot, task_id) in waiting_now else times[-1]))
+                break
+            intervals[slot][task_id].append((begin, end))
+            while index < len(times) and times[index] <= end:
+                index += 1
+    for (slot, task_id), first in waiting_now.items():
+        intervals[slot][task_id].append((first, now))
     result = {}
     for slot, tasks in intervals.items():
-        changes: list[tuple[float, int]] = []
-        for runs in tasks.values():
-            for start, end in _merge(runs):
-                changes.append((start, 1))
-                if end < now:  # still running at the end of the picture: no drop
-                    changes.append((end, -1))
-        changes.sort(key=lambda change: (change[0], change[1]))  # an end before a start at the same time
-        level, steps = 0, [(since, 0)]
-        for moment, change in changes:
-            level += change
-            if steps[-1][0] == moment:
-                steps[-1] = (moment, level)
-            else:
-                steps.append((moment, level))
-        if steps[-1][0] < now:
-            steps.append((now, level))
-        result[slot] = Occupancy(slot, steps)
+        seen = {
+            task_id: [(max(begin, since), min(end, now)) for begin, end in waits if end > since and end > begin]
+            for task_id, waits in tasks.items()
+        }
+        seen = {task_id: waits for task_id, waits in seen.items() if waits}
+        if seen:
+            result[slot] = Occupancy(slot, _steps(seen, since, now), frozenset(seen))
     return result
+
+
+def _steps(tasks: Mapping[str, Sequence[tuple[float, float]]], since: float, now: float) -> list[tuple[float, int]]:
+    """The level over time of intervals per task id (a task id counts once at any moment); an
+    interval that ends at ``now`` is still under way: no drop."""
+    changes: list[tuple[float, int]] = []
+    for runs in tasks.values():
+        for start, end in _merge(runs):
+            changes.append((start, 1))
+            if end < now:
+                changes.append((end, -1))
+    changes.sort(key=lambda change: (change[0], change[1]))  # an end before a start at the same time
+    level, steps = 0, [(since, 0)]
+    for moment, change in changes:
+        level += change
+        if steps[-1][0] == moment:
+            steps[-1] = (moment, level)
+        else:
+            steps.append((moment, level))
+    if steps[-1][0] < now:
+        steps.append((now, level))
+    return steps
 
 
 def _merge(runs: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -299,6 +299,12 @@ def admit(
                 task.name, request.id, describe(exc), wait,
             )  # fmt: skip
             time.sleep(wait)
+    if deferrals == 0 and backoff.first_deferred_at(request) is not None and decision.verdict in (
+        Verdict.RUN, Verdict.PARKED,
+    ):  # fmt: skip
+        # Parked when sent: its wait is recorded here, where history is kept (a copy that ends
+        # because another answers for the task records nothing).
+        runtime.parked_when_sent(request.id, task.name, list(slots), holder, first_deferred_at)
     if decision.verdict is Verdict.RUN:
         assert decision.run_id is not None
         runtime.hold(decision.run_id, request.id, slots, holder, task.name, deferrals)

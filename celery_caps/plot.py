@@ -34,9 +34,11 @@ def draw_timeline(
     since: float,
     now: float,
     path: str,
+    waiting: Mapping[str, Occupancy] | None = None,
 ) -> None:
-    """Draw one panel per slot: its occupancy as steps, its limit as a dashed line, and a
-    mark at the limit for each put-back it caused; write the figure to ``path``."""
+    """Draw one panel per slot: its occupancy as steps, its limit as a dashed line, the tasks
+    waiting for it (``waiting``) as a second line, and a mark at the limit for each put-back it
+    caused; write the figure to ``path``."""
     pyplot = _pyplot()
     from matplotlib import dates
 
@@ -48,7 +50,14 @@ def draw_timeline(
         axis.step(times, levels, where="post", color="tab:blue", linewidth=1.6, label="holders")
         axis.fill_between(times, levels, step="post", color="tab:blue", alpha=0.15)
         limit = limits.get(occupancy.slot)
-        top = max([occupancy.peak, limit or 0, 1])
+        waiters = (waiting or {}).get(occupancy.slot)
+        top = max([occupancy.peak, limit or 0, waiters.peak if waiters else 0, 1])
+        if waiters is not None:
+            wait_times = [datetime.fromtimestamp(moment) for moment, _ in waiters.steps]
+            axis.step(
+                wait_times, [level for _, level in waiters.steps], where="post", color="tab:orange",
+                linewidth=1.2, label="waiting",
+            )  # fmt: skip
         if limit is not None:
             axis.axhline(limit, color="tab:red", linestyle="--", linewidth=1.2, label=f"limit {limit}")
         marks = [datetime.fromtimestamp(moment) for moment in deferrals.get(occupancy.slot, ())]

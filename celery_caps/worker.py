@@ -244,15 +244,35 @@ class CapsRuntime:
         deferrals: int,
         reason: str = "full",
     ) -> None:
-        """Count and record a put-back (``reason``: ``full`` or ``store_error``)."""
+        """Count and record a put-back or a park (``reason``: the ``reason`` label of
+        :attr:`~celery_caps.metrics.PrometheusMetrics.deferrals`)."""
         self.metrics.deferred(full_slots, reason)
+        self._record_deferral(task_id, task_name, slots, full_slots, holder, deferrals, time.time())
+
+    def parked_when_sent(
+        self, task_id: str, task_name: str | None, slots: Sequence[str], holder: str, parked_at: float
+    ) -> None:
+        """Record the wait of a task parked as it was sent (``caps_park_on_publish``), on its
+        arrival here: its sender keeps no history.  ``parked_at`` is when it parked (epoch
+        seconds, the sender's clock).  Not counted again: the sender counted the park."""
+        self._record_deferral(task_id, task_name, slots, slots, holder, 0, parked_at)
+
+    def _record_deferral(
+        self,
+        task_id: str,
+        task_name: str | None,
+        slots: Sequence[str],
+        full_slots: Sequence[str],
+        holder: str,
+        deferrals: int,
+        at: float,
+    ) -> None:
         if self.history is not None:
             self.history.add(
                 HistoryEvent(
-                    "deferred", time.time(), task_id, task_name, tuple(slots), tuple(full_slots), holder,
-                    deferrals=deferrals,
+                    "deferred", at, task_id, task_name, tuple(slots), tuple(full_slots), holder, deferrals=deferrals
                 )
-            )  # fmt: skip
+            )
             self._ensure_keeper()  # it writes the history
 
     def release(self, run_id: str) -> None:
@@ -779,6 +799,11 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     :class:`Recovery` with park in use."""
 
     label = "celery-caps"
+    # Started once the pool has forked its processes: a thread of this process that is inside a
+    # store call when a process forks leaves it a copy of the call's locks (SQLite keeps the
+    # locks of every connection of a process in memory: a child forked mid-transaction waits
+    # for a lock nobody will release).
+    requires = ("celery.worker.components:Pool",)
 
     def __init__(self, worker: Any, caps_metrics_port: int | None = None, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)

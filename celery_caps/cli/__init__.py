@@ -540,8 +540,9 @@ def watch(ctx: click.Context, interval: float, cap: str | None, iterations: int)
 @click.option("--max-slots", default=12, show_default=True, type=click.IntRange(min=1), help="Busiest slots drawn.")
 @click.pass_context
 def timeline(ctx: click.Context, since_text: str, out: str, cap: str | None, max_slots: int) -> None:
-    """Draw slot occupancy over time against each limit, from the recorded history (PNG, SVG or PDF)."""
-    from ..history import Occupancy, occupancy
+    """Draw slot occupancy over time against each limit, and the tasks waiting for each slot,
+    from the recorded history and the waiting list (PNG, SVG or PDF)."""
+    from ..history import Occupancy, occupancy, waiting
 
     since_seconds = parse_duration(since_text)
     operator = operator_for(ctx)
@@ -556,6 +557,10 @@ def timeline(ctx: click.Context, since_text: str, out: str, cap: str | None, max
         return cap is None or slot == cap or slot.startswith(cap + ":")
 
     series = {slot: value for slot, value in series.items() if wanted(slot)}
+    waiters = [waiter for waiter in operator.waiters() if wanted(waiter.slot)]
+    waits = {slot: value for slot, value in waiting(events, waiters, since, now).items() if wanted(slot)}
+    for slot in waits:  # a slot whose tasks only waited is drawn too
+        series.setdefault(slot, Occupancy(slot, [(since, 0), (now, 0)]))
     deferrals = [
         event for event in events if event.kind == "deferred" and any(wanted(slot) for slot in event.full_slots)
     ]
@@ -573,8 +578,13 @@ def timeline(ctx: click.Context, since_text: str, out: str, cap: str | None, max
         value.slot: operator.limit_of(value.slot, statuses[value.slot].limit if value.slot in statuses else None)
         for value in chosen
     }
-    guard(lambda: draw_timeline(chosen, limits, _deferral_times(deferrals, limits), since, now, out))
-    click.echo(f"wrote {out}: {len(chosen)} slot(s), {len(events)} event(s) since {clock(since)}")
+    guard(lambda: draw_timeline(chosen, limits, _deferral_times(deferrals, limits), since, now, out, waits))
+    waited = {task_id for value in waits.values() for task_id in value.tasks}
+    waiting_now = {waiter.task_id for waiter in waiters}
+    click.echo(
+        f"wrote {out}: {len(chosen)} slot(s), {len(events)} event(s) since {clock(since)}; "
+        f"{len(waited)} task(s) waited for a slot, {len(waiting_now)} waiting now"
+    )
 
 
 def _deferral_times(events: Iterable[HistoryEvent], limits: Mapping[str, int | None]) -> dict[str, list[float]]:

@@ -4,7 +4,7 @@ list, its recorded history and the result backend."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -13,6 +13,8 @@ from .common import Operator, clock, duration, guard, lease_json, new_console, o
 
 if TYPE_CHECKING:
     from celery import Celery
+
+    from ..stores.base import HistoryEvent, Lease
 
 
 def backend_view(app: Celery, task_id: str) -> dict[str, Any] | None:
@@ -125,6 +127,7 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
         or (min(waiter.first_deferred_at for waiter in parked) if parked else None)
         or (deferred[0].at if deferred else None)
     )
+    waited_seconds = _waited(first_deferred_at, state, runs, held)
     return {
         "task_id": task_id,
         "task_name": task_name,
@@ -132,7 +135,8 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
         "holds": [lease_json(lease) for lease in held],
         "deferrals": max([last_wait.deferrals + 1 if last_wait else 0, (meta or {}).get("deferrals", 0)]),
         "first_deferred_at": first_deferred_at,
-        "waited_seconds": max(time.time() - first_deferred_at, 0.0) if first_deferred_at and not held else None,
+        "waited_seconds": waited_seconds,
+        "waiting": state in _WAITING_STATES,
         "parked": [
             {
                 "slot": waiter.slot,
@@ -154,6 +158,27 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
         "slots": slots,
         "history_note": history_note,
     }
+
+
+#: The states of a task that waits for its caps now.
+_WAITING_STATES = ("parked", "dispatched", "waiting")
+
+
+def _waited(
+    first_deferred_at: float | None, state: str, runs: Sequence[HistoryEvent], held: Sequence[Lease]
+) -> float | None:
+    """How long the task waited for its caps, in seconds: from its first deferral to now while
+    it waits, or to the start of the run that followed (None: it never waited, or no run after
+    its wait is known).  The two times may come from different machines' clocks."""
+    if first_deferred_at is None:
+        return None
+    now = time.time()
+    if state in _WAITING_STATES:
+        return max(now - first_deferred_at, 0.0)
+    starts = [run.started_at for run in runs if run.started_at is not None]
+    starts += [now - lease.age for lease in held if lease.age is not None]
+    after = [start for start in starts if start >= first_deferred_at]
+    return min(after) - first_deferred_at if after else None
 
 
 def print_explanation(report: Mapping[str, Any]) -> None:
@@ -180,6 +205,8 @@ def print_explanation(report: Mapping[str, Any]) -> None:
             )
     if report["state"] == "dispatched":
         console.print("  dispatched: its slots are reserved for it and its message is on the way")
+    if report["waited_seconds"] is not None and not report["waiting"]:
+        console.print(f"  waited {duration(report['waited_seconds'])} for its caps before it ran")
     if report["deferrals"]:
         first = report["first_deferred_at"]
         waited = f", first at {clock(first)} ({duration(now - first)} ago)" if first else ""

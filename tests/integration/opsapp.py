@@ -22,6 +22,9 @@ ENV: dict[str, str | None] = {
     "CAPS_OPS_CAPS_URL": None,
     "CAPS_OPS_METRICS_PORT": None,
     "CAPS_OPS_KEY_WARNING_THRESHOLD": "1000",
+    # The operator tests watch put-backs (their events, states and metrics): backoff by default;
+    # the tests of what operators see of parked tasks say "park".
+    "CAPS_OPS_STRATEGY": "backoff",
 }
 
 
@@ -47,9 +50,7 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
         result_expires=600,
         caps_url=setting(env, "CAPS_OPS_CAPS_URL"),
         caps_lease_seconds=1.5,  # renewed every 0.5 s: renewals (and history writes) happen in a test's time
-        # The operator tests watch put-backs (their events, states and metrics): backoff, not
-        # the default park (whose waiters the park tests and the CLI tests watch).
-        caps_strategy="backoff",
+        caps_strategy=setting(env, "CAPS_OPS_STRATEGY"),
         caps_backoff_min_seconds=0.2,
         caps_backoff_max_seconds=0.4,
         caps_sweep_interval_seconds=None,
