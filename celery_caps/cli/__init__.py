@@ -504,7 +504,9 @@ def redispatch(ctx: click.Context, name: str) -> None:
 @click.option("--iterations", default=0, type=click.IntRange(min=0), help="Stop after this many refreshes (0: never).")
 @click.pass_context
 def watch(ctx: click.Context, interval: float, cap: str | None, iterations: int) -> None:
-    """A live view of the caps and their slots, refreshed every INTERVAL seconds (Ctrl-C quits)."""
+    """A live view of the caps and their slots, refreshed every INTERVAL seconds (Ctrl-C quits).
+
+    Not on a terminal (a log, a pipe, CI), each refresh is printed in full, one after another."""
     from rich.console import Group
     from rich.live import Live
 
@@ -518,6 +520,19 @@ def watch(ctx: click.Context, interval: float, cap: str | None, iterations: int)
 
     console = new_console()
     refreshes = 0
+    if not console.is_terminal:
+        # A live display draws only on a terminal: elsewhere nothing would show before it ends.
+        try:
+            while True:
+                refreshes += 1
+                console.print(view())
+                sys.stdout.flush()
+                if iterations and refreshes >= iterations:
+                    break
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+        return
     try:
         with Live(view(), console=console, auto_refresh=False, transient=False) as live:
             while True:
