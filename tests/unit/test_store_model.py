@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule, run_state_machine_as_test
 
 from celery_caps.stores import store_from_url
-from celery_caps.stores.base import ClaimOutcome, ParkRequest, SlotStore, Woken
+from celery_caps.stores.base import ClaimOutcome, ParkOutcome, ParkRequest, SlotStore, Woken
 from celery_caps.stores.memory import MemoryStore
 from tests.services import StoreKind, private_sql_url
 
@@ -317,7 +317,7 @@ class ParkingWalk:
             )
         )
         assert got == expected, (slots, task_id)
-        if expected == "admitted":
+        if expected is ParkOutcome.ADMITTED:
             self.held.append(RunPair(run_id, run_id))
 
     def park_without_payload(self) -> None:
@@ -338,7 +338,7 @@ class ParkingWalk:
             )
         )
         assert got == expected, (slots, task_id)
-        if expected == "admitted":
+        if expected is ParkOutcome.ADMITTED:
             self.held.append(RunPair(run_id, run_id))
 
     def park_duplicate(self) -> None:

@@ -341,6 +341,33 @@ class PostgreSQLStore(SQLStore):
         ]
         return int(rows[0][0]), woken
 
+    # -- the waiting-list walk: the function's, never the portable store's ----------------------
+
+    def _wake_after_release(
+        self, connection: sa.Connection, released: list[str], dispatch_lease_seconds: float
+    ) -> list[Woken]:
+        if not self.functions:
+            return super()._wake_after_release(connection, released, dispatch_lease_seconds)
+        return self._wake(connection, released, dispatch_lease_seconds)
+
+    def _dispatch(
+        self, connection: sa.Connection, locked: list[str], dispatch_lease_seconds: float, touching: set[str] | None
+    ) -> list[Woken]:
+        if not self.functions:
+            return super()._dispatch(connection, locked, dispatch_lease_seconds, touching)
+        walked = locked if touching is None else [slot for slot in locked if slot in touching]
+        return self._wake(connection, walked, dispatch_lease_seconds)
+
+    def _wake(self, connection: sa.Connection, slots: Collection[str], dispatch_lease_seconds: float) -> list[Woken]:
+        """Dispatch the waiters that ``slots`` can now admit (``concurrency_slots_wake``)."""
+        if not slots:
+            return []
+        params = {"slots": sorted(set(slots)), "dispatch_lease_seconds": dispatch_lease_seconds}
+        rows = connection.exec_driver_sql(POSTGRESQL_CALLS["wake"], params).all()
+        return [
+            Woken(str(task_id), str(run_id), bytes(payload), task_name) for task_id, run_id, payload, task_name in rows
+        ]
+
     def claim(
         self, task_id: str, run_id: str, holder: str, lease_seconds: float, *, redelivered: bool = False
     ) -> ClaimOutcome:

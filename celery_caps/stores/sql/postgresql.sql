@@ -150,24 +150,17 @@ END $$
 CREATE INDEX IF NOT EXISTS ix_concurrency_waiters_several ON concurrency_waiters (slot) WHERE slot_count > 1
 ;
 
--- A run's release and the wake of the waiters its slots can now admit, in one round trip (the
--- portable store's release_and_wake: its _wake_after_release and _dispatch).  Delete the run's
--- leases; lock the freed slots' sentinels, then (SKIP LOCKED: no lock-order deadlock) those of the
--- other slots their waiters need; walk the waiters of the locked slots in their order (first
--- deferral, park time, task id), streaming, and dispatch each that waits for a freed slot and
--- whose every slot is locked and has room (and still waits: a readmit or a forget may have taken
--- it since the walk began); stop once every slot seen is full.  One row per woken waiter
--- (o_task_id NULL when none), each with the number of leases deleted.
---
--- It commits without waiting for its WAL record to reach the disk (synchronous_commit off for
--- its transaction only; admission, park, claim and renew stay durable): the flush is most of a
--- commit's wait after the connection sat idle through a task.  A database crash can lose the last
--- fraction of a second of such commits, never a parked task: a lost release leaves its lease to
--- expire (fewer admissions, never more), a lost hand-over leaves its waiter in the list to be
--- handed over again (its task may then run twice, as one task id: at-least-once).
-CREATE OR REPLACE FUNCTION concurrency_slots_release_and_wake(p_run_id text, p_dispatch_lease_seconds double precision)
+-- The wake of the waiters that slots p_released (their leases just deleted, or expired) can now
+-- admit, in the caller's transaction: the one waiting-list walk of this store (the portable
+-- store's _wake_after_release and _dispatch, which PostgreSQL never runs).  Lock the slots'
+-- sentinels, then (SKIP LOCKED: no lock-order deadlock) those of the other slots their waiters
+-- need; walk the waiters of the locked slots in their order (first deferral, park time, task id),
+-- streaming, and dispatch each that waits for one of p_released and whose every slot is locked
+-- and has room (and still waits: a readmit or a forget may have taken it since the walk began);
+-- stop once every slot seen is full.  One row per woken waiter.
+CREATE OR REPLACE FUNCTION concurrency_slots_wake(p_released text[], p_dispatch_lease_seconds double precision)
 RETURNS TABLE (
-    o_deleted integer, o_task_id text, o_run_id text, o_payload bytea, o_task_name text
+    o_task_id text, o_run_id text, o_payload bytea, o_task_name text
 ) LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
 SET enable_sort = off SET jit = off AS $$
@@ -177,13 +170,12 @@ DECLARE
     v_full text[] := '{}';
     v_found_full text[];
     v_full_after text[];
-    v_released text[];
+    v_released text[] := p_released;
     v_waited text[];
     v_locked text[];
     v_now double precision;
     v_seen_slots text[] := '{}';
     v_seen_limits integer[] := '{}';
-    v_any boolean := false;
     v_task text := NULL;
     v_slots text[];
     v_limits integer[];
@@ -198,18 +190,10 @@ DECLARE
     f_count integer;
     f_name text;
 BEGIN
-    PERFORM set_config('synchronous_commit', 'off', true);
-    WITH gone AS (DELETE FROM concurrency_slots c WHERE c.run_id = p_run_id RETURNING c.slot)
-    SELECT count(*), coalesce(array_agg(DISTINCT gone.slot), '{}') INTO o_deleted, v_released FROM gone;
-    IF o_deleted = 0 THEN
-        RETURN NEXT;
-        RETURN;
-    END IF;
     PERFORM 1 FROM concurrency_slots c WHERE c.run_id = '' AND c.slot = ANY(v_released) ORDER BY c.slot FOR UPDATE;
     IF NOT EXISTS (
         SELECT 1 FROM concurrency_waiters x WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL)
     THEN
-        RETURN NEXT;
         RETURN;
     END IF;
     -- The other slots that waiters of several slots need (none for single-slot waiters, the
@@ -280,7 +264,6 @@ BEGIN
                     PERFORM concurrency_slots_insert_leases(v_slots, v_task, o_run_id, 'caps-dispatch',
                         p_dispatch_lease_seconds, v_name, v_now);
                     SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = v_task LIMIT 1;
-                    v_any := true;
                     RETURN NEXT;
                     -- The slots this dispatch filled.
                     v_full := v_full || v_full_after;
@@ -316,6 +299,40 @@ BEGIN
         END IF;
     END LOOP;
     CLOSE v_waiters;
+END $$
+;
+
+-- A run's release and the wake of the waiters its slots can now admit, in one round trip.  One
+-- row per woken waiter (o_task_id NULL when none), each with the number of leases deleted.
+--
+-- It commits without waiting for its WAL record to reach the disk (synchronous_commit off for
+-- its transaction only; admission, park, claim and renew stay durable): the flush is most of a
+-- commit's wait after the connection sat idle through a task.  A database crash can lose the last
+-- fraction of a second of such commits, never a parked task: a lost release leaves its lease to
+-- expire (fewer admissions, never more), a lost hand-over leaves its waiter in the list to be
+-- handed over again (its task may then run twice, as one task id: at-least-once).
+CREATE OR REPLACE FUNCTION concurrency_slots_release_and_wake(p_run_id text, p_dispatch_lease_seconds double precision)
+RETURNS TABLE (
+    o_deleted integer, o_task_id text, o_run_id text, o_payload bytea, o_task_name text
+) LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
+SET enable_sort = off SET jit = off AS $$
+DECLARE
+    v_released text[];
+    v_any boolean := false;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    WITH gone AS (DELETE FROM concurrency_slots c WHERE c.run_id = p_run_id RETURNING c.slot)
+    SELECT count(*), coalesce(array_agg(DISTINCT gone.slot), '{}') INTO o_deleted, v_released FROM gone;
+    IF o_deleted > 0 THEN
+        FOR o_task_id, o_run_id, o_payload, o_task_name IN
+            SELECT w.o_task_id, w.o_run_id, w.o_payload, w.o_task_name
+            FROM concurrency_slots_wake(v_released, p_dispatch_lease_seconds) w
+        LOOP
+            v_any := true;
+            RETURN NEXT;
+        END LOOP;
+    END IF;
     IF NOT v_any THEN
         o_task_id := NULL;
         o_run_id := NULL;

@@ -310,6 +310,12 @@ POSTGRESQL_CALLS = {
         "SELECT o_deleted, o_task_id, o_run_id, o_payload, o_task_name "
         "FROM concurrency_slots_release_and_wake(%(run_id)s, %(dispatch_lease_seconds)s)"
     ),
+    # Through the store's SQLAlchemy connection, inside its transaction (a release of a holder's
+    # or a task's leases, a forget, a recovery).
+    "wake": (
+        "SELECT o_task_id, o_run_id, o_payload, o_task_name "
+        "FROM concurrency_slots_wake(%(slots)s, %(dispatch_lease_seconds)s)"
+    ),
     "claim": (
         "SELECT concurrency_slots_claim(%(task_id)s, %(run_id)s, %(holder)s, %(lease_seconds)s, "
         "%(redelivered)s, %(done_seconds)s)"
