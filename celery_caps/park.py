@@ -54,6 +54,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery.exceptions import Ignore
+from celery.utils import uuid as new_task_id
 from celery.utils.time import maybe_make_aware
 from kombu.entity import Exchange, Queue
 from kombu.serialization import dumps, loads
@@ -394,7 +395,9 @@ def admit_when_sent(
         slots = slots_for(task._caps, args, kwargs)
     except Exception:
         return send_as_usual  # no usable caps settings, or a bad key: the worker reports it
-    task_id = task_id or str(uuid.uuid4())
+    # From here on the task is sent under this id whatever happens, as the logs below name it.
+    task_id = task_id or new_task_id()
+    send_as_usual = Sent(task_id)
     first_deferred_at = time.time()
     # The message as it would have been sent: Celery's routing and execution options,
     # and the parent of the task sending it (a republish has no such context).
@@ -436,13 +439,13 @@ def admit_when_sent(
     except StoreInputError:
         return send_as_usual  # a bad key or id: the worker reports it, failing the task
     except StoreError as exc:
-        logger.warning("%s[%s] sent to the broker: could not check its slots (%s)", task.name, task_id, exc)
-        return Sent(task_id)
+        logger.warning("%s[%s] sent to the broker: could not check its slots (%s)", task.name, task_id, describe(exc))
+        return send_as_usual
     if outcome is ParkOutcome.ADMITTED:
         logger.debug("%s[%s] took %s when sent", task.name, task_id, ", ".join(slots))
         return Sent(task_id, dispatch_run_id=run_id)
     if outcome is not ParkOutcome.PARKED:
-        return Sent(task_id)  # room, not taken (or the waiting list is full): the broker it is
+        return send_as_usual  # room, not taken (or the waiting list is full): the broker it is
     logger.debug("%s[%s] parked when sent: %s full", task.name, task_id, ", ".join(slots))
     runtime.metrics.deferred(list(slots), "parked")
     return Sent(task_id, parked=task.AsyncResult(task_id))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, ClassVar, NoReturn
@@ -30,6 +29,7 @@ from typing import Any, ClassVar, NoReturn
 from celery import Task
 from celery.app.task import Context
 from celery.exceptions import Ignore, Reject
+from celery.utils import uuid as new_task_id
 
 from . import backoff, park
 from .caps import Cap, normalize_caps, slots_for
@@ -308,7 +308,7 @@ class CappedTask(Task):  # type: ignore[misc]
         None: it runs uncapped (``caps_on_store_error = "run"``).
         """
         settings = runtime.settings
-        task_id = request.id or str(uuid.uuid4())
+        task_id = request.id or new_task_id()
         started = time.monotonic()
         attempt = 0
         while True:
