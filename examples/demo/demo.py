@@ -33,13 +33,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from celery.utils import uuid as new_task_id
 
 HERE = Path(__file__).resolve().parent
 
@@ -143,12 +144,14 @@ class Observed:
     peak: Counter[str] = field(default_factory=Counter)
     #: Per slot label: completed runs.
     completed: Counter[str] = field(default_factory=Counter)
+    #: Deliveries of a task to a worker (each one a worker picked up, whether it ran or not).
     attempts: int = 0
     starts: int = 0
     ends: int = 0
-    header_deferrals: int = 0
-    #: Runs that waited for a slot first (parked when sent or on arrival, or put back).
-    waited: int = 0
+    #: task id -> number of deliveries.
+    attempts_per_task: Counter[str] = field(default_factory=Counter)
+    #: Tasks whose run started after they had waited for a slot (the run says so).
+    started_after_waiting: set[str] = field(default_factory=set)
     #: task id -> number of completed body runs.
     runs_per_task: Counter[str] = field(default_factory=Counter)
     #: task id -> number of body starts.
@@ -156,6 +159,18 @@ class Observed:
     ready_workers: set[str] = field(default_factory=set)
     first_start: float | None = None
     last_end: float | None = None
+
+    def tasks_that_waited(self) -> set[str]:
+        """Tasks that found a cap full and had to wait for a free slot: delivered more often than
+        they started (turned away at least once), or started after waiting."""
+        turned_away = {
+            task_id for task_id, count in self.attempts_per_task.items() if count > self.starts_per_task[task_id]
+        }
+        return turned_away | self.started_after_waiting
+
+    def tasks_waiting(self) -> set[str]:
+        """Tasks that were turned away and have not started yet: they wait for a free slot now."""
+        return {task_id for task_id in self.tasks_that_waited() if not self.starts_per_task[task_id]}
 
 
 def read_events(path: Path) -> list[tuple[str, str | None, str | None, str | None, float, int | None]]:
@@ -174,7 +189,7 @@ def read_events(path: Path) -> list[tuple[str, str | None, str | None, str | Non
 
 
 def observe(path: Path, provider_label: str, tenant_label: str) -> Observed:
-    """Replay the events: running counts by time, peaks, completions, put-backs.
+    """Replay the events: running counts by time, peaks, completions, deliveries and waits.
 
     A task's body starts after it took its leases and ends before it releases
     them, so if the caps hold, the start..end intervals of one slot never
@@ -187,19 +202,19 @@ def observe(path: Path, provider_label: str, tenant_label: str) -> Observed:
     timeline = sorted(
         ((at, order[kind], index) for index, (kind, *_rest, at, _d) in enumerate(rows) if kind in order),
     )
-    for kind, _task_id, _tenant, worker, _at, _deferrals in rows:
+    for kind, task_id, _tenant, worker, _at, _deferrals in rows:
         if kind == "ready" and worker:
             observed.ready_workers.add(worker)
         elif kind == "attempt":
             observed.attempts += 1
+            observed.attempts_per_task[task_id or ""] += 1
         elif kind == "waited":
-            observed.waited += 1
+            observed.started_after_waiting.add(task_id or "")
     for at, _order, index in timeline:
-        kind, task_id, tenant, _worker, _at, deferrals = rows[index]
+        kind, task_id, tenant, _worker, _at, _deferrals = rows[index]
         labels = (provider_label, f"{tenant_label}:{tenant}")
         if kind == "start":
             observed.starts += 1
-            observed.header_deferrals += deferrals or 0
             observed.starts_per_task[task_id or ""] += 1
             observed.first_start = at if observed.first_start is None else observed.first_start
             for label in labels:
@@ -281,7 +296,8 @@ def plain_line(plan: Plan, observed: Observed, status: str) -> str:
 def make_plan(count: int, seed: int, provider_limit: int, tenant_limit: int, demoapp: ModuleType) -> Plan:
     rng = random.Random(seed)
     tenants = rng.choices(list(TENANT_WEIGHTS), weights=list(TENANT_WEIGHTS.values()), k=count)
-    tasks = [(uuid.uuid4().hex, tenant, round(rng.uniform(*TASK_SECONDS), 3)) for tenant in tenants]
+    # Task ids in Celery's own form, as apply_async would make them.
+    tasks = [(new_task_id(), tenant, round(rng.uniform(*TASK_SECONDS), 3)) for tenant in tenants]
     return Plan(tasks, demoapp.PROVIDER_CAP, demoapp.TENANT_CAP, provider_limit, tenant_limit)
 
 
@@ -325,8 +341,9 @@ def watch(plan: Plan, workers: Sequence[Worker], observations: Path, timeout: fl
         if not workers and not observed.attempts and elapsed > 10:
             worker_text = " -- no worker has taken a task yet: start them (see README.md)"
         return (
-            f"{elapsed:5.1f} s, completed {observed.ends}/{expected}, attempts {observed.attempts}, "
-            f"put back {observed.attempts - observed.starts}{worker_text}"
+            f"{elapsed:5.1f} s, completed {observed.ends}/{expected}, "
+            f"waiting for a free slot {len(observed.tasks_waiting())} "
+            f"(had to wait so far {len(observed.tasks_that_waited())}){worker_text}"
         )
 
     def done(observed: Observed) -> bool:
@@ -375,6 +392,7 @@ def report(
     wall: float,
     total: float,
     pool_slots: int | None,
+    strategy: str,
 ) -> list[str]:
     """Print the figures; return the failures (empty: success)."""
     failures = []
@@ -399,12 +417,17 @@ def report(
         failures.append(f"{len(never)} task(s) never completed, e.g. {never[0]}")
     if twice:
         failures.append(f"{len(twice)} task(s) ran more than once, e.g. {twice[0]}")
-    deferrals = observed.attempts - observed.starts
     print(
-        f"runs that waited for a full cap first: {observed.waited} (parked in the store when sent or on "
-        f"arrival, or put back); deliveries: {observed.attempts}; put back or parked on arrival: {deferrals} "
-        f"(the caps_deferrals headers of the admitted runs add up to {observed.header_deferrals})"
+        f"tasks that had to wait for a free slot before they ran: {len(observed.tasks_that_waited())} "
+        f"of {len(task_ids)} (the others found room at once)"
     )
+    again = (
+        "a task that found its cap full waited in the slot store and was delivered again when a slot freed up"
+        if strategy == "park"
+        else "a task that found its cap full went back to the queue and was delivered again after a short delay, "
+        "as often as it took"
+    )
+    print(f"deliveries of a task to a worker: {observed.attempts} for {len(task_ids)} tasks ({again})")
     if leftover is not None:
         print(f"leases of this run left in the store: {leftover}")
         if leftover:
@@ -548,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         leftover = leases_left(store_url, {task_id for task_id, _t, _s in plan.tasks})
         wall = (observed.last_end or published_at) - published_at
         pool_slots = args.workers * args.concurrency if workers else None
-        failures = report(plan, observed, leftover, killed, wall, time.monotonic() - began, pool_slots)
+        failures = report(plan, observed, leftover, killed, wall, time.monotonic() - began, pool_slots, args.strategy)
     except KeyboardInterrupt:
         failures = ["interrupted"]
         print("\ninterrupted: stopping the workers", file=sys.stderr)

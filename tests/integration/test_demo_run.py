@@ -1,0 +1,41 @@
+"""The demo (``examples/demo/demo.py``) run for real: its own workers, filesystem broker and SQLite
+store in a folder of the test's own; what it prints while it runs and at the end, in a newcomer's
+words."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.fleet, pytest.mark.sqlite]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TASKS = 16
+
+
+def test_the_demo_says_how_many_tasks_had_to_wait_for_a_free_slot(tmp_path: Path) -> None:
+    # Given the demo with two workers of two pool processes and a burst of tasks (caps 4 and 2 per tenant)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CAPS_DEMO_")}
+    command = [
+        sys.executable, str(REPO_ROOT / "examples" / "demo" / "demo.py"), "--plain", "--tasks", str(TASKS),
+        "--workers", "2", "--concurrency", "2", "--data-dir", str(tmp_path / "data"),
+    ]  # fmt: skip
+    # When it runs to the end
+    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    # Then its live lines count tasks waiting for a free slot, not "put back" deliveries
+    live = [line for line in done.stdout.splitlines() if line.startswith("running:")]
+    assert live and all("waiting for a free slot" in line and "had to wait so far" in line for line in live), output
+    # and its closing lines say how many tasks had to wait, and what the deliveries were
+    waited = re.search(rf"tasks that had to wait for a free slot before they ran: (\d+) of {TASKS}", output)
+    delivered = re.search(rf"deliveries of a task to a worker: (\d+) for {TASKS} tasks \(a task that found", output)
+    assert waited and delivered, output
+    # (each task that waited was delivered once more at least: when woken)
+    assert 1 <= int(waited.group(1)) <= TASKS and int(delivered.group(1)) >= TASKS + int(waited.group(1)), output
+    assert "caps_deferrals" not in output and "put back" not in output, output
