@@ -8,18 +8,31 @@ through prometheus_client's multiprocess mode: every process writes its own
 files under ``PROMETHEUS_MULTIPROC_DIR`` (set by the worker before any process
 imports prometheus_client, to a fresh directory unless you set it), and the main
 process adds them up on each scrape.  Gauges of the fleet (slots held, limits,
-keys, expired leases per cap) are read from the store on each scrape, cached for
-a few seconds: they are the same on every worker, so aggregate them with
-``max``.  Labels are cap names, never keys: a keyed cap with a thousand keys is
-one time series, not a thousand.
+keys, expired leases, tasks waiting, per cap) are read from the store on each
+scrape, cached for a few seconds: they are the same on every worker, so
+aggregate them with ``max``.  Labels are cap names, never keys: a keyed cap with
+a thousand keys is one time series, not a thousand.
 
-The counters (labels ``cap``; deferrals also ``reason``: ``full`` or ``store_error``):
+The counters (label ``cap``; deferrals also ``reason``, see :data:`DEFERRAL_REASONS`):
 
 * ``celery_caps_admissions_total``, ``celery_caps_deferrals_total``,
   ``celery_caps_releases_total``, ``celery_caps_lease_renewals_total``,
   ``celery_caps_lease_losses_total``;
 * ``celery_caps_wait_seconds``: histogram of the wait from a task's first
-  put-back to its admission (0 for a task admitted at once).
+  put-back (or park) to its admission (0 for a task admitted at once).
+
+Counters count in the process that did the thing.  A park made as a task is sent
+(``caps_park_on_publish``) is counted by the sending process: by a worker when one
+of its tasks sends it, not at all by a process that serves no metrics (a web
+server).  Counting it again in the worker that later runs the task would count
+late, never count a task that does not run, and count twice when the sender is a
+worker; instead ``celery_caps_waiting_tasks``, read from the store, shows every
+waiting task wherever it parked, and the wait histogram of the worker that runs it
+includes its wait.
+
+The fleet gauges: ``celery_caps_store_up``, ``celery_caps_slots_held``,
+``celery_caps_slot_limit``, ``celery_caps_keys``, ``celery_caps_expired_leases``,
+``celery_caps_waiting_tasks`` (park: tasks in the waiting list, not yet woken).
 """
 
 from __future__ import annotations
@@ -36,13 +49,22 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 from .errors import ConfigurationError, MissingDependencyError, StoreError
-from .stores.base import SlotStatus, SlotStore
+from .health import describe
+from .stores.base import ParkingStore, SlotStatus, SlotStore
 
 logger = logging.getLogger(__name__)
 
 MULTIPROC_DIR_VARIABLE = "PROMETHEUS_MULTIPROC_DIR"
 #: Seconds a scrape reuses the store's last answer for the fleet gauges.
 STATUS_CACHE_SECONDS = 5.0
+#: The ``reason`` label of ``celery_caps_deferrals_total``: why a task did not run on arrival.
+DEFERRAL_REASONS = {
+    "full": "a cap was full: put back to the broker with backoff (caps_strategy backoff)",
+    "parked": "a cap was full: parked in the store's waiting list until a release wakes it (park)",
+    "waitlist_full": "a cap was full and its waiting list held caps_park_max_waiters: put back with backoff",
+    "payload_too_large": "a cap was full and the message was over caps_park_max_payload_bytes: put back with backoff",
+    "store_error": "the store failed (caps_on_store_error defer): put back with backoff",
+}
 #: Buckets of the wait histogram, in seconds.
 WAIT_BUCKETS = (0.0, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, float("inf"))
 
@@ -75,7 +97,8 @@ class Metrics:
         """A task took ``slots`` after waiting ``waited_seconds`` since its first put-back."""
 
     def deferred(self, slots: Iterable[str], reason: str) -> None:
-        """A task was put back because ``slots`` were full (or the store failed)."""
+        """A task was put back or parked because ``slots`` were full (or the store failed);
+        ``reason`` is one of :data:`DEFERRAL_REASONS`."""
 
     def released(self, slots: Iterable[str]) -> None:
         """A run let go of ``slots``."""
@@ -105,7 +128,9 @@ class PrometheusMetrics(Metrics):
             "celery_caps_admissions", "Tasks admitted into a cap's slot", ["cap"], registry=None
         )
         self.deferrals = client.Counter(
-            "celery_caps_deferrals", "Tasks put back because a cap was full or the store failed",
+            "celery_caps_deferrals",
+            "Tasks put back or parked instead of running, by reason: "
+            + "; ".join(f"{reason}: {meaning}" for reason, meaning in DEFERRAL_REASONS.items()),
             ["cap", "reason"], registry=None,
         )  # fmt: skip
         self.releases = client.Counter("celery_caps_releases", "Slot leases released", ["cap"], registry=None)
@@ -162,21 +187,30 @@ def metrics_for(port: int | None) -> Metrics:
 
 
 def prepare_multiprocess_dir() -> str | None:
-    """Make sure ``PROMETHEUS_MULTIPROC_DIR`` is set before prometheus_client is imported.
+    """Make sure ``PROMETHEUS_MULTIPROC_DIR`` is set, and prometheus_client in multiprocess
+    mode, before this library's instruments are created.
+
+    prometheus_client chooses its mode from the variable when it is first imported, and it may
+    have been imported already: Celery loads every ``celery`` sub-command before the worker
+    starts, and Flower's imports prometheus_client.  Then its choice is made again here, which
+    holds for every instrument created from now on (this library's, in the worker and its pool
+    processes); instruments created before (Flower's own, say) keep theirs and are not served.
 
     Returns the directory if this call created it (removed when this process
     exits), None if it was set already (then it is yours to empty between runs).
 
     Raises:
-        ConfigurationError: prometheus_client was imported without the variable,
-            so pool processes' metrics could not be collected.
+        ConfigurationError: this library's instruments exist already without the
+            variable (they could not be collected from pool processes), or this
+            prometheus_client cannot be switched to multiprocess mode.
     """
     if os.environ.get(MULTIPROC_DIR_VARIABLE):
         os.makedirs(os.environ[MULTIPROC_DIR_VARIABLE], exist_ok=True)
+        _choose_multiprocess_values()
         return None
-    if "prometheus_client" in sys.modules:
+    if PrometheusMetrics._instance is not None:
         raise ConfigurationError(
-            f"caps_metrics_port: prometheus_client was imported before the worker started, without "
+            f"caps_metrics_port: this process recorded metrics before the worker started, without "
             f"{MULTIPROC_DIR_VARIABLE}; set {MULTIPROC_DIR_VARIABLE} to an empty directory in the "
             "worker's environment so that every pool process's metrics are collected"
         )
@@ -184,7 +218,28 @@ def prepare_multiprocess_dir() -> str | None:
     os.environ[MULTIPROC_DIR_VARIABLE] = created
     # Removed when the main process exits, after its pool processes are gone.
     atexit.register(_remove_directory, created, os.getpid())
+    _choose_multiprocess_values()
     return created
+
+
+def _choose_multiprocess_values() -> None:
+    """If prometheus_client is imported already, have it choose its value class again now that
+    ``PROMETHEUS_MULTIPROC_DIR`` is set (it chose when imported)."""
+    if "prometheus_client" not in sys.modules:
+        return  # it chooses when imported
+    from prometheus_client import values
+
+    if getattr(values.ValueClass, "_multiprocess", False):
+        return
+    choose = getattr(values, "get_value_class", None)
+    chosen = choose() if callable(choose) else None
+    if not getattr(chosen, "_multiprocess", False):
+        raise ConfigurationError(
+            f"caps_metrics_port: prometheus_client was imported before the worker started, without "
+            f"{MULTIPROC_DIR_VARIABLE}, and this version of it cannot switch to multiprocess mode; set "
+            f"{MULTIPROC_DIR_VARIABLE} to an empty directory in the worker's environment"
+        )
+    values.ValueClass = chosen
 
 
 def _remove_directory(path: str, owner_pid: int) -> None:
@@ -211,24 +266,26 @@ class FleetCollector:
         self._store = store
         self._threshold = key_warning_threshold
         self._lock = threading.Lock()
-        self._cached: tuple[float, list[SlotStatus]] | None = None
+        self._cached: tuple[float, list[SlotStatus], dict[str, int] | None] | None = None
         self._over_threshold: set[str] = set()
 
-    def _statuses(self) -> list[SlotStatus]:
+    def _statuses(self) -> tuple[list[SlotStatus], dict[str, int] | None]:
+        """The slots' statuses, and the tasks waiting per cap (None for a store that does not park)."""
         with self._lock:
             now = time.monotonic()
             if self._cached is None or now - self._cached[0] > STATUS_CACHE_SECONDS:
-                self._cached = (now, self._store().status())
-            return self._cached[1]
+                store = self._store()
+                self._cached = (now, store.status(), _waiting_per_cap(store))
+            return self._cached[1], self._cached[2]
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
 
         up = GaugeMetricFamily("celery_caps_store_up", "1 if the slot store answered the last status read")
         try:
-            statuses = self._statuses()
+            statuses, waiting = self._statuses()
         except StoreError as exc:
-            logger.warning("metrics: could not read the slot store (%s)", exc)
+            logger.warning("metrics: could not read the slot store (%s)", describe(exc))
             up.add_metric([], 0)
             yield up
             return
@@ -246,12 +303,17 @@ class FleetCollector:
             if status.limit is not None:
                 limits[cap] = max(limits.get(cap, 0), status.limit)
         self._warn_about_keys(keys)
-        for name, documentation, values in (
+        gauges = [
             ("celery_caps_slots_held", "Distinct tasks holding a live lease, summed over a cap's keys", held),
             ("celery_caps_slot_limit", "A cap's limit (per key, for keyed caps)", limits),
             ("celery_caps_keys", "Distinct keys (slot names) a keyed cap has in the store", keys),
             ("celery_caps_expired_leases", "Expired leases not swept yet", expired),
-        ):
+        ]
+        if waiting is not None:  # every cap the store knows, 0 when nothing waits
+            waiting = {**dict.fromkeys(held, 0), **waiting}
+            documentation = "Tasks in the store's waiting list for a cap's slots, not yet woken (park)"
+            gauges.append(("celery_caps_waiting_tasks", documentation, waiting))
+        for name, documentation, values in gauges:
             family = GaugeMetricFamily(name, documentation, labels=["cap"])
             for cap, value in sorted(values.items()):
                 family.add_metric([cap], value)
@@ -270,6 +332,17 @@ class FleetCollector:
                 )
             elif count <= self._threshold:
                 self._over_threshold.discard(cap)
+
+
+def _waiting_per_cap(store: SlotStore) -> dict[str, int] | None:
+    """Distinct tasks waiting (not dispatched) per cap in ``store``'s waiting list (None: it has none)."""
+    if not isinstance(store, ParkingStore):
+        return None
+    tasks: dict[str, set[str]] = {}
+    for waiter in store.waiters():
+        if not waiter.dispatched:
+            tasks.setdefault(cap_of(waiter.slot), set()).add(waiter.task_id)
+    return {cap: len(task_ids) for cap, task_ids in tasks.items()}
 
 
 def registry_for(store: Callable[[], SlotStore], key_warning_threshold: int) -> Any:
