@@ -782,14 +782,19 @@ class StoreCheck(threading.Thread):
                 return
 
     def check(self) -> None:
-        """One check, on a store of its own: the main process keeps no connection for it."""
+        """One check: from ``caps_url`` as a URL, on a store of its own, closed after (the main
+        process keeps no connection for it); from a ready engine, client or store, on the
+        runtime's store, which resets the connections a forked pool process inherits."""
         settings = self.runtime.settings
-        store = store_from_url(settings.require_url(), create_schema=settings.create_schema)
+        url = settings.require_url()
+        if not isinstance(url, str):
+            self.runtime.store.warm_up()
+            return
+        store = store_from_url(url, create_schema=settings.create_schema)
         try:
             store.warm_up()
         finally:
-            if store is not settings.url:  # never close a store the user handed over
-                store.close()
+            store.close()
 
 
 class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
