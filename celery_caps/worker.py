@@ -244,8 +244,8 @@ class CapsRuntime:
         deferrals: int,
         reason: str = "full",
     ) -> None:
-        """Count and record a put-back or a park (``reason``: the ``reason`` label of
-        :attr:`~celery_caps.metrics.PrometheusMetrics.deferrals`)."""
+        """Count and record a put-back or a park (``reason``: one of
+        :data:`~celery_caps.metrics.DEFERRAL_REASONS`)."""
         self.metrics.deferred(full_slots, reason)
         self._record_deferral(task_id, task_name, slots, full_slots, holder, deferrals, time.time())
 
