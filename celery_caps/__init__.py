@@ -11,8 +11,8 @@ from .errors import (
     StoreError,
     StoreInputError,
 )
+from .runtime import warm_up
 from .task import CappedTask
-from .worker import warm_up
 
 __all__ = [
     "Cap",

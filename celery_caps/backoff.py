@@ -26,8 +26,8 @@ from .health import describe
 from .park import DISPATCH_HEADER, REPUBLISHING
 
 if TYPE_CHECKING:
+    from .runtime import CapsRuntime
     from .task import CappedTask
-    from .worker import CapsRuntime
 
 logger = logging.getLogger(__name__)
 

@@ -76,8 +76,8 @@ from .stores.base import (
 if TYPE_CHECKING:
     from celery import Celery
 
+    from .runtime import CapsRuntime
     from .task import CappedTask
-    from .worker import CapsRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ def admit_when_sent(
     the task is then sent as usual) against one broker message less for a task that waits, and
     a burst whose first tasks take their slots as they are sent (the next ones see them taken)."""
     from . import backoff
-    from .worker import runtime_for
+    from .runtime import runtime_for
 
     send_as_usual = Sent(task_id)
     app = task._get_app()

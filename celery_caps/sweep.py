@@ -60,7 +60,8 @@ def install(app: Celery) -> None:
         return
     setattr(app, _INSTALLED_ATTRIBUTE, True)
 
-    from .worker import CapsWakeQueues, CapsWorkerStep, runtime_for
+    from .runtime import runtime_for
+    from .worker import CapsWakeQueues, CapsWorkerStep
 
     app.steps["worker"].add(CapsWorkerStep)
     app.steps["consumer"].add(CapsWakeQueues)

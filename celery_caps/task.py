@@ -35,9 +35,9 @@ from . import backoff, park
 from .caps import Cap, normalize_caps, slots_for
 from .errors import CapWaitExceeded, LeaseLost, StoreError
 from .health import describe
+from .runtime import CapsRuntime, holder_name, runtime_for
 from .settings import PARK
 from .stores.base import ParkingStore
-from .worker import CapsRuntime, holder_name, runtime_for
 
 logger = logging.getLogger(__name__)
 

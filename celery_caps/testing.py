@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
+from .runtime import runtime_for
 from .stores.memory import MemoryStore
-from .worker import runtime_for
 
 
 class CapsProbe:

@@ -341,7 +341,7 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     @app.task(name="fleet.retry_once", cap=one, max_retries=3, **task_options)
     def retry_once(self: Any, scope: str) -> dict[str, Any]:
         """Retries itself on its first run; the second run reports what the store shows."""
-        from celery_caps.worker import runtime_for
+        from celery_caps.runtime import runtime_for
 
         result = run_body(self, [f"one:{scope}"], 0.1)
         if self.request.retries == 0:
@@ -355,7 +355,7 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
         # In the process sending a retry of fleet.retry_once: what does its slot hold right now?
         if sender != "fleet.retry_once" or not headers or not headers.get("retries"):
             return
-        from celery_caps.worker import runtime_for
+        from celery_caps.runtime import runtime_for
 
         scope = body[0][0]
         leases = runtime_for(app).store.leases(f"{prefix}one:{scope}")
@@ -407,7 +407,7 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     @app.task(name="fleet.inspect", cap=one, **task_options)
     def inspect(self: Any, scope: str) -> dict[str, Any]:
         """Reports the leases of its own slot, as the store shows them while the body runs."""
-        from celery_caps.worker import runtime_for
+        from celery_caps.runtime import runtime_for
 
         leases = runtime_for(self.app).store.leases(f"{prefix}one:{scope}")
         return {

@@ -15,10 +15,10 @@ import pytest
 from celery import Celery
 
 from celery_caps import Cap, CappedTask
+from celery_caps.runtime import runtime_for
 from celery_caps.settings import CapsSettings
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import SlotStore
-from celery_caps.worker import runtime_for
 from tests.integration.fleet import delete_slot_rows, fleet_env
 from tests.integration.fleetapp import make_app
 from tests.services import new_prefix, require_service

@@ -17,8 +17,8 @@ import pytest
 from celery import Celery
 
 from celery_caps import Cap, CappedTask, CapWaitExceeded, StoreError
+from celery_caps.runtime import runtime_for
 from celery_caps.stores.memory import MemoryStore
-from celery_caps.worker import runtime_for
 
 
 @pytest.fixture

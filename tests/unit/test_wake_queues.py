@@ -89,7 +89,7 @@ def test_tasks_sent_to_a_full_cap_are_parked_with_their_group_and_links(app: Cel
     from celery import group
 
     from celery_caps.park import decode_payload
-    from celery_caps.worker import runtime_for
+    from celery_caps.runtime import runtime_for
 
     app.conf.caps_strategy = "park"
     app.conf.caps_park_on_publish = True
