@@ -117,11 +117,9 @@ class DriverPool:
         if os.getpid() != self._pid:
             self._forget_inherited()
         with self._lock:
-            connection = self._idle.pop()[0] if self._idle else None
-            stale = self._stale()
-        for old in stale:
-            self._close(old)
-        return connection if connection is not None else self._connect()
+            if self._idle:
+                return self._idle.pop()[0]
+        return self._connect()
 
     def _connect(self) -> psycopg.Connection[Any]:
         fairy = self._engine.raw_connection()
@@ -131,21 +129,18 @@ class DriverPool:
         return connection
 
     def _checkin(self, connection: psycopg.Connection[Any]) -> None:
-        if os.getpid() != self._pid:
-            return  # the parent's (a pinned rehearsal across a fork): left alone
+        """Keep ``connection`` for the next calls; close those beyond ``keep_idle`` that sat
+        unused for ``idle_seconds``."""
+        now = time.monotonic()
+        stale = []
         with self._lock:
-            self._idle.append((connection, time.monotonic()))
-            stale = self._stale()
+            self._idle.append((connection, now))
+            if len(self._idle) > self.keep_idle:
+                deadline = now - self.idle_seconds
+                while len(self._idle) > self.keep_idle and self._idle[0][1] <= deadline:
+                    stale.append(self._idle.pop(0)[0])
         for old in stale:
             self._close(old)
-
-    def _stale(self) -> list[psycopg.Connection[Any]]:
-        """Take the idle connections beyond ``keep_idle`` unused for ``idle_seconds`` (the lock held)."""
-        deadline = time.monotonic() - self.idle_seconds
-        stale = []
-        while len(self._idle) > self.keep_idle and self._idle[0][1] <= deadline:
-            stale.append(self._idle.pop(0)[0])
-        return stale
 
     @staticmethod
     def _close(connection: psycopg.Connection[Any]) -> None:
@@ -177,7 +172,8 @@ class DriverPool:
             raise
         finally:
             self._pinned.connection = None
-        self._checkin(connection)
+        if os.getpid() == self._pid:  # (else the parent's, across a fork: left alone)
+            self._checkin(connection)
 
     def _forget_inherited(self) -> None:
         _INHERITED.extend(connection for connection, _returned in self._idle)
