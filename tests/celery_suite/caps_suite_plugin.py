@@ -202,6 +202,7 @@ def _peak_of_distinct_tasks(ran: list[Any]) -> tuple[int, list[dict[str, Any]]]:
             running.pop(index, None)
             continue
         running[index] = ran[index]
+        _session["peak_runs"] = max(_session.get("peak_runs", 0), len(running))
         distinct = {event.task_id for event in running.values()}
         if len(distinct) > peak:
             peak = len(distinct)
@@ -236,6 +237,8 @@ def _caps_report() -> dict[str, Any]:
             distinct_tasks=len({event.task_id for event in ran}),
             runs_by_task=dict(sorted(runs_by_task.items())),
             peak_overlap=peak,
+            # Runs at once, a task id counted once per run (a cap counts task ids: see peak_overlap).
+            peak_runs=_session.get("peak_runs", 0),
             runs_at_peak=at_peak,
             put_backs=sum(1 for event in events if event.kind == "deferred"),
             leases_left=len(store.leases()),
