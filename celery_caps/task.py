@@ -119,8 +119,10 @@ class CappedTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         caps = self._caps
         request = self.request
-        if not caps or request.called_directly:
-            # A direct call is a plain function call, as in Celery: no store, no lease.
+        if not caps or request.called_directly or getattr(request, "caps_ran", False):
+            # A direct call is a plain function call, as in Celery: no store, no lease.  So is
+            # a call made under a request whose run is over: Celery calls an errback of the
+            # failed task's own type directly, with the failed task's request still current.
             return super().__call__(*args, **kwargs)
         runtime = runtime_for(self._get_app())
         if request.is_eager and not runtime.settings.enforce_eager:
@@ -146,6 +148,8 @@ class CappedTask(Task):  # type: ignore[misc]
             with _holding(slots):
                 return super().__call__(*args, **kwargs)
         finally:
+            # Set after the body (a request pushed during it copies this one's attributes).
+            request.caps_ran = True
             if run_id is not None:
                 runtime.finish(run_id)
                 runtime.release(run_id)

@@ -15,6 +15,7 @@ fails at once, naming the value: it is not deferred as if the store were away.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -120,3 +121,26 @@ def test_a_task_id_no_store_can_keep_fails_the_task_naming_it(app: Celery, strat
         # ... and nothing was taken, and a task with a good id runs as usual
         assert app.conf.caps_url.leases() == []
         assert call.delay(2).get(timeout=10) == 4
+
+
+def test_an_errback_of_the_failed_tasks_own_type_is_a_plain_call(app: Celery) -> None:
+    # Celery calls an errback taking (request, exc, traceback) directly, inside the worker,
+    # with the failed task's request still current: it must run as a plain call, not go
+    # through admission again (a keyed cap would call its key function with those arguments).
+    calls: list[tuple[str, Any]] = []
+
+    @app.task(base=CappedTask, cap=Cap("tenant", 1, key=lambda value: f"k{value}"), shared=False)
+    def job(*args: Any) -> None:
+        if len(args) == 1:
+            raise ValueError(args[0])
+        calls.append(("errback", args[0].id))
+
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        result = job.apply_async((1,), link_error=job.s())
+        with pytest.raises(ValueError):
+            result.get(timeout=10)
+        deadline = time.monotonic() + 10
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls == [("errback", result.id)]
+        assert app.conf.caps_url.leases() == []
