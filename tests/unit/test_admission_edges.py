@@ -14,6 +14,7 @@ fails at once, naming the value: it is not deferred as if the store were away.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -44,9 +45,18 @@ def app() -> Iterator[Celery]:
         caps_backoff_min_seconds=BACKOFF_SECONDS,
         caps_backoff_max_seconds=BACKOFF_SECONDS,
         caps_sweep_interval_seconds=None,
+        # The embedded worker must leave the test process's logging alone (caplog in later tests).
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
     )
-    yield app
-    app.close()
+    # Celery's embedded worker sets the root logger's level (to its loglevel, ERROR by default):
+    # later tests' caplog must see warnings again.
+    root_level = logging.getLogger().level
+    try:
+        yield app
+    finally:
+        app.close()
+        logging.getLogger().setLevel(root_level)
 
 
 def test_a_put_back_copy_carries_its_countdown_and_waits_no_longer(app: Celery) -> None:
