@@ -691,11 +691,11 @@ def test_tasks_that_retry_while_others_wait_all_finish_each_attempt_running_once
     sent = [fleet.app.send_task(task, args=[scope, 2, 150]).id for _ in range(12)]
 
     # Then every task succeeds, each of its three attempts having run exactly once (states read
-    # with plain GETs: AsyncResult.get() subscribes on the Redis backend, and an AsyncResult
-    # garbage-collected during that subscribe unsubscribes on the same connection, which hung
-    # redis-py 5.3 under Celery 5.4 once)
+    # from the backend, never through AsyncResult: on the Redis backend a fulfilled or
+    # garbage-collected AsyncResult unsubscribes its result channel, and one collected during
+    # another's unsubscribe re-entered it and hung redis-py 5.3 under Celery 5.4)
     def states() -> dict[str, str]:
-        return {task_id: fleet.app.AsyncResult(task_id).state for task_id in sent}
+        return {task_id: fleet.app.backend.get_task_meta(task_id, cache=False)["status"] for task_id in sent}
 
     wait_for(lambda: set(states().values()) <= {"SUCCESS", "FAILURE"}, 90, lambda: f"states: {states()}", 0.25)
     assert states() == dict.fromkeys(sent, "SUCCESS")
