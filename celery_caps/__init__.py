@@ -14,6 +14,10 @@ from .errors import (
 from .runtime import warm_up
 from .task import CappedTask
 
+# Connects the worker's signal handlers (its start checks and steps, releases on shutdown and
+# revoke) for every process that imports the package, as it did before the runtime moved out.
+from . import worker as _worker  # noqa: F401  # isort: skip
+
 __all__ = [
     "Cap",
     "CapKeyError",
