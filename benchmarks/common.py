@@ -44,9 +44,14 @@ SERVICE_DEFAULTS = {
     "amqp": ("CAPS_BENCH_AMQP_URL", "CAPS_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//"),
 }
 
+#: This run's name for what it creates on shared servers; inherited by the processes it starts,
+#: so that they use the same databases, and different from any other run's, so that two runs
+#: at once (two checkouts measured side by side) never drop each other's databases.
+BENCH_RUN = os.environ.setdefault("CAPS_BENCH_RUN", uuid.uuid4().hex[:8])
+
 #: The SQL databases the benchmarks create next to the configured one: an almost empty
 #: one and one holding 10,000 slot names, so the two can be measured side by side.
-BENCH_DATABASES = {"main": "caps_bench", "keys": "caps_bench_keys"}
+BENCH_DATABASES = {"main": f"caps_bench_{BENCH_RUN}", "keys": f"caps_bench_keys_{BENCH_RUN}"}
 
 
 def service_url(name: str) -> str:
@@ -68,8 +73,8 @@ def reachable(url: str, timeout: float = 1.0) -> str | None:
 
 
 def drop_bench_databases(server_url: str) -> None:
-    """Drop every benchmark database on ``server_url``'s server (a run starts and ends with none:
-    nothing of an earlier run, or of another version's schema, is measured)."""
+    """Drop this run's benchmark databases on ``server_url``'s server (a run starts and ends
+    with none: nothing of an earlier run, or of another version's schema, is measured)."""
     url = sa.engine.make_url(server_url)
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     try:

@@ -72,7 +72,7 @@ def names(name: str, values: object, check: Callable[[str, object], None] = text
 
 def slots(value: object) -> None:
     """Slot name -> limit (a positive integer)."""
-    if not isinstance(value, Mapping):
+    if not isinstance(value, (dict, Mapping)):  # (dict first: the ABC check costs a call)
         raise StoreInputError(f"slots must map slot names to limits, got {_describe(value)}")
     for name, limit in value.items():
         slot("a slot name", name)

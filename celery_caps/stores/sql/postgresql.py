@@ -89,8 +89,9 @@ class DriverPool:
         # A rehearsal's connection, used by every call of its thread until it is given back.
         self._pinned = threading.local()
 
-    def execute(self, sql: str, params: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
-        """Run ``sql`` (``%(name)s`` parameters): its rows (if any) and row count.
+    def execute(self, sql: str, params: Mapping[str, Any], *, fetch: bool = True) -> tuple[list[tuple[Any, ...]], int]:
+        """Run ``sql`` (``%(name)s`` parameters): its rows (``fetch``: a statement that returns
+        rows; else none are read) and row count.
 
         Raises the driver's error, after closing the connection.
         """
@@ -98,7 +99,8 @@ class DriverPool:
         connection = pinned or self._checkout()
         try:
             cursor = connection.execute(sql, params)
-            rows = cursor.fetchall() if cursor.description is not None else []
+            # (not cursor.description: psycopg builds its column objects anew at each look)
+            rows = cursor.fetchall() if fetch else []
             count = cursor.rowcount
         except BaseException:
             if pinned is None:
@@ -251,8 +253,8 @@ class PostgreSQLStore(SQLStore):
                 )
             self._schema_ready = True
 
-    def _call(self, name: str, params: Mapping[str, Any]) -> tuple[list[tuple[Any, ...]], int]:
-        return self.pool.execute(POSTGRESQL_CALLS[name], params)
+    def _call(self, name: str, params: Mapping[str, Any], *, fetch: bool = True) -> tuple[list[tuple[Any, ...]], int]:
+        return self.pool.execute(POSTGRESQL_CALLS[name], params, fetch=fetch)
 
     def _ready(self) -> bool:
         """Whether the functions are there (preparing first, on first use)."""
@@ -322,7 +324,7 @@ class PostgreSQLStore(SQLStore):
     def release(self, run_id: str) -> int:
         if not self._ready():
             return super().release(run_id)
-        _, deleted = self._call("release", {"run_id": run_id})
+        _, deleted = self._call("release", {"run_id": run_id}, fetch=False)
         return deleted
 
     def release_and_wake(self, run_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
