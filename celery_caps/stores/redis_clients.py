@@ -90,7 +90,7 @@ def _scrub(text: str, secrets: Sequence[str]) -> str:
 
 
 def _bad_url(description: str, reason: str, secrets: Sequence[str] = ()) -> ConfigurationError:
-    return ConfigurationError(f"caps_url {description!r} is not a valid Redis URL: {_scrub(reason, secrets)}")
+    return ConfigurationError(_scrub(f"caps_url {description!r} is not a valid Redis URL: {reason}", secrets))
 
 
 def _check_connection_options(description: str, options: dict[str, Any], secrets: Sequence[str]) -> None:
