@@ -97,11 +97,12 @@ the same: a park writes the store-wide waiting-list keys (``P:waiting``,
 ``P:payloads``, ``P:waitlists``, ``P:done:...``), a multi-slot park (a task with several caps)
 writes the waiting lists of several slots, and a release dispatches waiters whose
 other slots, and their lists, live under other tags.  A script may only touch keys
-of one hash slot on a cluster, so on Redis Cluster every key of the store must be
-co-located: give the prefix a hash tag of its own (for example
-``key_prefix="{caps}"``; Cluster hashes only the first ``{...}`` of a key), which
-puts the whole store on one shard.  That set-up is not tested; standalone Redis
-(optionally behind Sentinel) is what this store is built for.
+of one hash slot on a cluster, so on Redis Cluster every key of the store is
+co-located: the store gives its prefix a hash tag of its own (``caps`` becomes
+``{caps}``, see :func:`~celery_caps.stores.redis_clients.hash_tagged`; Cluster
+hashes only the first ``{...}`` of a key), which puts the whole store on one shard.
+How the client is built (one server, ``redis+cluster://``, ``sentinel://``, ready
+objects) is :mod:`celery_caps.stores.redis_clients`.
 
 Redis keeps what it has in memory: a Redis restart without persistence loses every
 lease and every sentinel, and every parked task's message with the waiting list.
@@ -126,7 +127,7 @@ import redis
 import redis.cluster
 from redis.client import NEVER_DECODE
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, StoreError
 from .base import (
     Admission,
     ClaimOutcome,
@@ -145,6 +146,11 @@ from .redis_clients import RedisTarget, hash_tagged, target_from_client, target_
 _WAITLIST_LIBRARY = "redis_waitlist.lua"
 _PARK_OUTCOMES = {outcome.value.encode(): outcome for outcome in ParkOutcome}
 _CLAIM_OUTCOMES = {outcome.value.encode(): outcome for outcome in ClaimOutcome}
+#: What to do when a client to one server meets a cluster.
+_USE_CLUSTER_URL = (
+    "set caps_url to redis+cluster://host:port[,host:port...] (or pass a redis.cluster.RedisCluster), "
+    "which puts every key of the store under one hash tag"
+)
 
 
 class Script:
@@ -326,7 +332,13 @@ class RedisStore(ParkingStore):
     def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
         """Connect (the pool keeps the connection for the first call; it opens one for each
         further thread on demand, in a fraction of a millisecond) and load every script the
-        server does not have yet, so that no first call pays a ``NOSCRIPT`` round trip."""
+        server does not have yet, so that no first call pays a ``NOSCRIPT`` round trip.
+
+        A ``redis://`` URL that leads to a Redis Cluster node is a :class:`StoreError` saying
+        to use ``redis+cluster://`` (its scripts would fail on every call with ``CROSSSLOT``).
+        """
+        if not self._target.cluster and str(self._client.info("cluster").get("cluster_enabled", "0")) == "1":
+            raise StoreError(f"the Redis server at {self._display_url} is a Redis Cluster node: {_USE_CLUSTER_URL}")
         loaded = self._client.script_exists(*(script.sha for script in self._scripts))
         for script, present in zip(self._scripts, loaded, strict=True):
             if not present:
@@ -353,6 +365,14 @@ class RedisStore(ParkingStore):
 
     def secrets(self) -> Sequence[str]:
         return self._target.secrets
+
+    def store_error(self, operation: str, exc: BaseException) -> StoreError:
+        error = super().store_error(operation, exc)
+        if not self._target.cluster and isinstance(
+            exc, (redis.exceptions.ClusterCrossSlotError, redis.exceptions.MovedError)
+        ):
+            return StoreError(f"{error} ({_USE_CLUSTER_URL})")
+        return error
 
     def _run(self, operation: str, script: Script, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
         """Run ``script`` (one ``EVALSHA``); its reply is never decoded: names and payloads

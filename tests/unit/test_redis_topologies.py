@@ -329,3 +329,20 @@ def test_calls_during_a_sentinel_failover_succeed_or_raise_the_store_error_and_l
         store.release(run_id)
     assert store.leases() == []
     assert [status.holders for status in store.status()] == [0]
+
+
+@pytest.mark.redis_cluster
+def test_a_plain_redis_url_to_a_cluster_node_says_to_use_redis_cluster(cluster_url: str) -> None:
+    # Given caps_url = "redis://<a cluster node>/0", the mistake the store cannot work with
+    node = cluster_url.split("://", 1)[1].split(",", 1)[0]
+    store = store_from_url(f"redis://{node}/0", StoreOptions(redis_key_prefix=new_key_prefix()))
+    try:
+        # Then the start-up check and every failing call say what to write instead
+        with pytest.raises(StoreError, match=r"is a Redis Cluster node: set caps_url to redis\+cluster://"):
+            store.warm_up()
+        with pytest.raises(StoreError, match=r"redis\+cluster://") as raised:
+            for index in range(20):  # some pair of slot names hashes to two slots
+                store.acquire({f"a{index}": 1, f"b{index}": 1}, "task", f"run{index}", HOLDER, 5.0)
+        assert isinstance(raised.value.__cause__, redis.exceptions.ResponseError)
+    finally:
+        store.close()
