@@ -368,9 +368,11 @@ class RedisStore(ParkingStore):
 
     def store_error(self, operation: str, exc: BaseException) -> StoreError:
         error = super().store_error(operation, exc)
-        if not self._target.cluster and isinstance(
-            exc, (redis.exceptions.ClusterCrossSlotError, redis.exceptions.MovedError)
-        ):
+        # redis-py 5 reports CROSSSLOT from a client to one server as a bare ResponseError.
+        cluster_reply = isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(
+            ("CROSSSLOT", "Keys in request don't hash", "MOVED")
+        )
+        if not self._target.cluster and (cluster_reply or isinstance(exc, redis.exceptions.MovedError)):
             return StoreError(f"{error} ({_USE_CLUSTER_URL})")
         return error
 
