@@ -109,7 +109,8 @@ def hash_tagged(prefix: str) -> str:
     inside, which Cluster hashes instead of the whole key), else wrapped in braces.  Every key of
     the store starts with the prefix, so all of them, and every script's keys, share one hash slot."""
     start = prefix.find("{")
-    if start != -1 and prefix.find("}", start + 2) != -1:
+    # Cluster reads the first "}" after the first "{"; an empty tag ("{}") means no tag.
+    if start != -1 and prefix.find("}", start + 1) > start + 1:
         return prefix
     return "{" + prefix + "}"
 

@@ -139,7 +139,14 @@ def test_a_cluster_store_names_its_nodes_and_puts_a_hash_tag_on_its_prefix() -> 
 
 @pytest.mark.parametrize(
     ("prefix", "tagged"),
-    [("caps", "{caps}"), ("{caps}", "{caps}"), ("app:{caps}", "app:{caps}"), ("a{}b", "{a{}b}"), ("{", "{{}")],
+    [
+        ("caps", "{caps}"),
+        ("{caps}", "{caps}"),
+        ("app:{caps}", "app:{caps}"),
+        ("a{}b", "{a{}b}"),
+        ("a{}b}", "{a{}b}}"),
+        ("{", "{{}"),
+    ],
 )
 def test_hash_tagged_keeps_a_usable_tag_and_adds_one_otherwise(prefix: str, tagged: str) -> None:
     assert hash_tagged(prefix) == tagged
