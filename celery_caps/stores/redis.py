@@ -285,6 +285,9 @@ class RedisStore(ParkingStore):
             self._client_instance = self._target.connect()
         return self._client_instance
 
+    def __repr__(self) -> str:
+        return f"<RedisStore {self._display_url} key_prefix={self.key_prefix!r}>"
+
     @property
     def is_cluster(self) -> bool:
         """Whether the store runs on Redis Cluster (its key prefix then carries a hash tag)."""

@@ -121,6 +121,7 @@ def test_the_sentinel_master_name_comes_from_the_url_or_the_setting_but_not_two_
     assert isinstance(from_setting, RedisStore) and isinstance(from_url, RedisStore)
     expected = "sentinel://127.0.0.1:26379/0;sentinel://127.0.0.1:26380/0?master_name=mymaster"
     assert from_setting.display_url == from_url.display_url == expected
+    assert repr(from_url) == f"<RedisStore {expected} key_prefix='caps'>"
     with pytest.raises(ConfigurationError, match=r"'other'.*'mymaster'"):
         store_from_url(f"{url}?master_name=other", StoreOptions(redis_master_name="mymaster"))
 
@@ -135,6 +136,7 @@ def test_a_cluster_store_names_its_nodes_and_puts_a_hash_tag_on_its_prefix() -> 
     assert store.key_prefix == "{app}"
     assert store.display_url.startswith("redis+cluster://:***@127.0.0.1:")
     assert store.display_url.count(",") == 1
+    assert "pw" not in repr(store) and "{app}" in repr(store)
 
 
 @pytest.mark.parametrize(
