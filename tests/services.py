@@ -62,8 +62,10 @@ SERVICE_VARIABLES = {
     "redis_sentinel": "CAPS_TEST_REDIS_SENTINEL_URL",
 }
 
+#: The Redis topologies besides one server (``.ci/redis-topologies.sh``).
+REDIS_TOPOLOGY_KINDS = ("redis_cluster", "redis_sentinel")
 #: The Redis store kinds (one server, Cluster, Sentinel): a key prefix per test, no shared rows.
-REDIS_KINDS = ("redis", "redis_cluster", "redis_sentinel")
+REDIS_KINDS = ("redis", *REDIS_TOPOLOGY_KINDS)
 
 _DEFAULT_PORTS = {
     "postgresql": 5432,
