@@ -117,6 +117,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
@@ -236,6 +237,7 @@ class RedisStore(ParkingStore):
         self._display_url = self._target.description
         self._owns_client = self._target.owned
         self._client_instance: Any = None
+        self._client_lock = threading.Lock()
         if self._target.cluster:
             key_prefix = hash_tagged(key_prefix)
         #: The prefix of every key, with the hash tag added on Redis Cluster.
@@ -282,7 +284,9 @@ class RedisStore(ParkingStore):
     @property
     def _client(self) -> Any:
         if self._client_instance is None:
-            self._client_instance = self._target.connect()
+            with self._client_lock:  # the task thread and the lease keeper may both be first
+                if self._client_instance is None:
+                    self._client_instance = self._target.connect()
         return self._client_instance
 
     def __repr__(self) -> str:
@@ -664,6 +668,8 @@ class RedisStore(ParkingStore):
         # the new pid by itself; resetting it here makes that explicit for a client
         # we own (one handed to us is its owner's business).
         # A cluster client keeps one pool per node, each of which resets itself on the new pid.
+        # A lock some thread of the parent held when it forked stays held in the child.
+        self._client_lock = threading.Lock()
         if self._owns_client and self._client_instance is not None and not self._target.cluster:
             self._client_instance.connection_pool.reset()
 
