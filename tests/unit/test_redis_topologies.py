@@ -355,3 +355,22 @@ def test_a_plain_redis_url_to_a_cluster_node_says_to_use_redis_cluster(cluster_u
         assert isinstance(raised.value.__cause__, redis.exceptions.ResponseError)
     finally:
         store.close()
+
+
+def test_a_worker_builds_its_store_from_the_redis_settings() -> None:
+    from celery import Celery
+
+    from celery_caps.runtime import runtime_for
+
+    # Given plain settings, as a Django settings module would give them
+    app = Celery("topologies", set_as_current=False)
+    app.conf.caps_url = f"redis+cluster://127.0.0.1:{closed_port()}"
+    app.conf.caps_redis_key_prefix = "billing-caps"
+    try:
+        # Then the worker's store is the cluster store with the tagged prefix (built without a connection)
+        store = runtime_for(app).store
+        assert isinstance(store, RedisStore)
+        assert store.is_cluster
+        assert store.key_prefix == "{billing-caps}"
+    finally:
+        app.close()
