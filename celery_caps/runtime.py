@@ -140,7 +140,7 @@ class CapsRuntime:
         if self._store is None:
             with self._lock:
                 if self._store is None:
-                    self._store = store_from_url(self.settings.require_url(), create_schema=self.settings.create_schema)
+                    self._store = store_from_url(self.settings.require_url(), self.settings.store_options)
         return self._store
 
     def warm_up(self) -> None:

@@ -15,6 +15,7 @@ from .errors import ConfigurationError
 
 if TYPE_CHECKING:
     from .caps import Cap
+    from .stores import StoreOptions
 
 StoreErrorPolicy = Literal["defer", "run", "fail"]
 STORE_ERROR_POLICIES: tuple[StoreErrorPolicy, ...] = ("defer", "run", "fail")
@@ -33,6 +34,8 @@ DEFAULTS: dict[str, Any] = {
     "caps_sweep_interval_seconds": 60.0,
     "caps_key_warning_threshold": 1000,
     "caps_create_schema": True,
+    "caps_redis_key_prefix": "caps",  # the Redis store's keys; a hash tag is added on Redis Cluster
+    "caps_redis_master_name": None,  # Redis Sentinel: the master of sentinel:// or of a Sentinel object
     "caps_history_seconds": None,  # None: no history (explain and timeline see only the present)
     "caps_history_max_events": 10000,
     "caps_metrics_port": None,  # None: no metrics endpoint (also: celery worker --caps-metrics-port)
@@ -145,6 +148,15 @@ class CapsSettings:
     on_lease_lost: LeaseLostPolicy = "continue"
     enforce_eager: bool = False
     parking: ParkingSettings = field(default_factory=ParkingSettings)
+    redis_key_prefix: str = "caps"
+    redis_master_name: str | None = None
+
+    @property
+    def store_options(self) -> StoreOptions:
+        """The settings a store is built with besides ``caps_url``."""
+        from .stores import StoreOptions
+
+        return StoreOptions(self.create_schema, self.redis_key_prefix, self.redis_master_name)
 
     @property
     def renew_seconds(self) -> float:
@@ -194,6 +206,12 @@ class CapsSettings:
         metrics_address = conf.get("caps_metrics_address", DEFAULTS["caps_metrics_address"])
         if not isinstance(metrics_address, str) or not metrics_address:
             raise ConfigurationError(f"caps_metrics_address must be a host name or address, got {metrics_address!r}")
+        key_prefix = conf.get("caps_redis_key_prefix", DEFAULTS["caps_redis_key_prefix"])
+        if not isinstance(key_prefix, str) or not key_prefix:
+            raise ConfigurationError(f"caps_redis_key_prefix must be a non-empty string, got {key_prefix!r}")
+        master_name = conf.get("caps_redis_master_name", DEFAULTS["caps_redis_master_name"])
+        if master_name is not None and (not isinstance(master_name, str) or not master_name):
+            raise ConfigurationError(f"caps_redis_master_name must be a non-empty string or None, got {master_name!r}")
         return cls(
             url=conf.get("caps_url"),
             lease_seconds=lease,
@@ -212,6 +230,8 @@ class CapsSettings:
             on_lease_lost=lease_lost,
             enforce_eager=_flag(conf, "caps_enforce_eager"),
             parking=ParkingSettings.from_conf(conf),
+            redis_key_prefix=key_prefix,
+            redis_master_name=master_name,
         )
 
     def require_url(self) -> Any:

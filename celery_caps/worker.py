@@ -247,7 +247,7 @@ class StoreCheck(threading.Thread):
         if not isinstance(url, str):
             self.runtime.store.warm_up()
             return
-        store = store_from_url(url, create_schema=settings.create_schema)
+        store = store_from_url(url, settings.store_options)
         try:
             store.warm_up()
         finally:
@@ -282,7 +282,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             app.conf.caps_metrics_port = caps_metrics_port
         settings = CapsSettings.from_conf(app.conf)  # raises ConfigurationError on a bad setting
         url = settings.require_url()
-        store = store_from_url(url, create_schema=settings.create_schema)
+        store = store_from_url(url, settings.store_options)
         display = getattr(store, "display_url", type(store).__name__)
         park.check_store(app, store)
         from .stores.memory import MemoryStore

@@ -11,6 +11,15 @@ redis       ``CAPS_TEST_REDIS_URL``    ``redis://127.0.0.1:6379/14``
 (broker)    ``CAPS_TEST_AMQP_URL``     ``amqp://guest:guest@127.0.0.1:5672//``
 =========== ========================= ===========================================
 
+and two Redis topologies, which ``.ci/redis-topologies.sh start`` starts and prints:
+
+============== ================================ ===========================================
+store          variable                         example
+============== ================================ ===========================================
+redis_cluster  ``CAPS_TEST_REDIS_CLUSTER_URL``  ``redis+cluster://127.0.0.1:7301,127.0.0.1:7302``
+redis_sentinel ``CAPS_TEST_REDIS_SENTINEL_URL`` ``sentinel://127.0.0.1:7321;...?master_name=caps-master``
+============== ================================ ===========================================
+
 A test whose service is unset or unreachable is skipped, unless
 ``CAPS_REQUIRE_SERVICES=1`` (CI), which turns the skip into a failure.
 ``memory`` and ``sqlite`` (a fresh file per test) need nothing.
@@ -49,7 +58,14 @@ SERVICE_VARIABLES = {
     "mysql": "CAPS_TEST_MYSQL_URL",
     "redis": "CAPS_TEST_REDIS_URL",
     "amqp": "CAPS_TEST_AMQP_URL",
+    "redis_cluster": "CAPS_TEST_REDIS_CLUSTER_URL",
+    "redis_sentinel": "CAPS_TEST_REDIS_SENTINEL_URL",
 }
+
+#: The Redis topologies besides one server (``.ci/redis-topologies.sh``).
+REDIS_TOPOLOGY_KINDS = ("redis_cluster", "redis_sentinel")
+#: The Redis store kinds (one server, Cluster, Sentinel): a key prefix per test, no shared rows.
+REDIS_KINDS = ("redis", *REDIS_TOPOLOGY_KINDS)
 
 _DEFAULT_PORTS = {
     "postgresql": 5432,
@@ -58,6 +74,7 @@ _DEFAULT_PORTS = {
     "mariadb": 3306,
     "redis": 6379,
     "rediss": 6379,
+    "sentinel": 26379,
     "amqp": 5672,
     "pyamqp": 5672,
     "amqps": 5671,
@@ -85,6 +102,8 @@ STORE_KINDS = (
     StoreKind("postgres", "postgres", shared=True),
     StoreKind("mysql", "mysql", shared=True),
     StoreKind("redis", "redis", shared=False),  # private: a key prefix per test
+    StoreKind("redis_cluster", "redis_cluster", shared=False),
+    StoreKind("redis_sentinel", "redis_sentinel", shared=False),
 )
 
 
@@ -103,8 +122,13 @@ def unavailable(reason: str) -> NoReturn:
 @functools.cache
 def _unreachable_reason(url: str) -> str | None:
     """Why a connection to ``url``'s server (TCP or Unix socket) fails; None if it works."""
+    # A cluster or Sentinel URL names several servers: the first one must answer.
+    first = url.split(";", 1)[0]
+    scheme_part, _, rest = first.partition("://")
+    netloc, separator, tail = rest.partition("/")
+    first = f"{scheme_part}://{netloc.split(',', 1)[0].split('?', 1)[0]}{separator}{tail}"
     try:
-        parts = urlsplit(url)
+        parts = urlsplit(first)
         scheme = parts.scheme.lower()
         host, port = parts.hostname, parts.port or _DEFAULT_PORTS.get(scheme.split("+", 1)[0])
     except ValueError as exc:
@@ -124,7 +148,8 @@ def _unreachable_reason(url: str) -> str | None:
 
 
 def require_service(name: str) -> str:
-    """The URL of service ``name`` (``postgres``, ``mysql``, ``redis``, ``amqp``).
+    """The URL of service ``name`` (``postgres``, ``mysql``, ``redis``, ``amqp``,
+    ``redis_cluster``, ``redis_sentinel``).
 
     Skips the calling test when the variable is unset or the server does not
     accept a connection, or fails it when ``CAPS_REQUIRE_SERVICES=1``.
@@ -147,7 +172,7 @@ def store_url_for(kind: StoreKind, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path}/caps.db"
     assert kind.service is not None
     url = require_service(kind.service)
-    if kind.id == "redis" and importlib.util.find_spec("celery_caps.stores.redis") is None:
+    if kind.id in REDIS_KINDS and importlib.util.find_spec("celery_caps.stores.redis") is None:
         unavailable("redis: the Redis store (celery_caps.stores.redis) is not available")
     return url
 
@@ -216,7 +241,7 @@ class StoreTarget:
 
     def open(self) -> SlotStore:
         """A new store on ``url``; the caller closes it."""
-        if self.kind.id == "redis":
+        if self.kind.id in REDIS_KINDS:
             from celery_caps.stores.redis import RedisStore
 
             return RedisStore(self.url, key_prefix=self.key_prefix)
@@ -225,16 +250,15 @@ class StoreTarget:
 
 def delete_own_rows(target: StoreTarget, store: SlotStore, prefix: str) -> None:
     """Remove what one test left behind, and nothing that another test run owns."""
-    if target.kind.id == "redis":
-        import redis
+    if target.kind.id in REDIS_KINDS:
+        from celery_caps.stores.redis import RedisStore
 
-        client = redis.Redis.from_url(target.url)
-        try:
-            keys = list(client.scan_iter(match=f"{target.key_prefix}*", count=1000))
-            if keys:
-                client.delete(*keys)
-        finally:
-            client.close()
+        assert isinstance(store, RedisStore)
+        # The store's own client: on a cluster its keys (under the prefix's hash tag) are on
+        # one node, and the cluster client scans every node.
+        client = store.client
+        for key in list(client.scan_iter(match=f"{store.key_prefix}*", count=1000)):
+            client.delete(key)
     elif target.kind.shared:
         # Every row of a test (sentinels and leases) carries one of its slot names;
         # the prefix is letters, digits and '-', nothing LIKE would interpret.

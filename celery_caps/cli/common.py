@@ -115,7 +115,7 @@ def operator_for(ctx: click.Context) -> Operator:
 
     def build() -> Operator:
         settings = CapsSettings.from_conf(app.conf)
-        store = store_from_url(settings.require_url(), create_schema=settings.create_schema)
+        store = store_from_url(settings.require_url(), settings.store_options)
         return Operator(app, settings, store, registered_caps(app))
 
     operator = guard(build)

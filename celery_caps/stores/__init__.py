@@ -10,28 +10,47 @@ is accepted too.  Stores are imported when first chosen: a missing driver is a
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigurationError, MissingDependencyError
 from .base import SlotStore, mask_url
 
-#: Builds a store from ``caps_url`` (a URL or a ready object) and ``caps_create_schema``.
-StoreFactory = Callable[[Any, bool], SlotStore]
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """The settings a store is built with besides ``caps_url`` (each store reads its own)."""
+
+    #: ``caps_create_schema``: whether the SQL store creates its tables on first use.
+    create_schema: bool = True
+    #: ``caps_redis_key_prefix``: the prefix of the Redis store's keys (with a hash tag on Redis Cluster).
+    redis_key_prefix: str = "caps"
+    #: ``caps_redis_master_name``: the Sentinel master of a ``sentinel://`` URL without
+    #: ``?master_name=``, or of a ``redis.sentinel.Sentinel`` object.
+    redis_master_name: str | None = None
+
+
+#: Builds a store from ``caps_url`` (a URL or a ready object) and the store settings.
+StoreFactory = Callable[[Any, StoreOptions], SlotStore]
 
 #: URL scheme (before any ``+driver``) -> the factory of its store.
 _SCHEMES: dict[str, StoreFactory] = {}
 
 
 def register_store(scheme: str, factory: StoreFactory) -> None:
-    """Make ``caps_url = "<scheme>://..."`` build its store with ``factory(url, create_schema)``."""
+    """Make ``caps_url = "<scheme>://..."`` build its store with ``factory(url, options)``
+    (:class:`StoreOptions`)."""
     _SCHEMES[scheme.lower()] = factory
 
 
-def store_from_url(target: Any, *, create_schema: bool = True) -> SlotStore:
+def store_from_url(target: Any, options: StoreOptions | None = None, *, create_schema: bool = True) -> SlotStore:
     """Build a store from ``caps_url``: a URL, a ready SQLAlchemy ``Engine``, a redis-py
-    client, or a :class:`SlotStore` instance (returned as is).
+    client (``Redis``, ``RedisCluster``, ``Sentinel``), or a :class:`SlotStore` instance
+    (returned as is).
 
-    ``create_schema`` tells the SQL store whether to create its tables on first use.
+    ``options`` are the store settings (``CapsSettings.store_options``); without them,
+    the defaults with ``create_schema`` (whether the SQL store creates its tables on
+    first use).
 
     Raises:
         ConfigurationError: an unknown scheme or driver, or an unsupported object (the
@@ -40,6 +59,7 @@ def store_from_url(target: Any, *, create_schema: bool = True) -> SlotStore:
     """
     if isinstance(target, SlotStore):
         return target
+    options = options if options is not None else StoreOptions(create_schema=create_schema)
     if isinstance(target, str):
         scheme = target.split("://", 1)[0].lower() if "://" in target else ""
         factory = _SCHEMES.get(scheme.split("+", 1)[0]) or _SCHEMES.get(scheme)
@@ -47,43 +67,44 @@ def store_from_url(target: Any, *, create_schema: bool = True) -> SlotStore:
             raise ConfigurationError(
                 f"caps_url {mask_url(target)!r}: unknown store scheme {scheme or '(none)'!r}; use "
                 f"{', '.join(f'{name}://' for name in sorted(_SCHEMES))} (for example sqlite:////abs/path/caps.db, "
-                "postgresql+psycopg://..., mysql+pymysql://..., redis://...)"
+                "postgresql+psycopg://..., mysql+pymysql://..., redis://..., redis+cluster://..., sentinel://...)"
             )
-        return factory(target, create_schema)
+        return factory(target, options)
     type_name = f"{type(target).__module__}.{type(target).__qualname__}"
     if type_name.startswith("sqlalchemy.") and hasattr(target, "dialect"):
-        return _sql_store(target, create_schema)
+        return _sql_store(target, options)
     if type_name.startswith("redis."):
-        return _redis_store(target, create_schema)
+        return _redis_store(target, options)
     raise ConfigurationError(
-        f"caps_url must be a store URL, a SQLAlchemy Engine, a redis client or a SlotStore, got {type_name}"
+        f"caps_url must be a store URL, a SQLAlchemy Engine, a redis-py client (Redis, RedisCluster, Sentinel) "
+        f"or a SlotStore, got {type_name}"
     )
 
 
-def _memory_store(target: Any, create_schema: bool) -> SlotStore:
+def _memory_store(target: Any, options: StoreOptions) -> SlotStore:
     from .memory import MemoryStore
 
     return MemoryStore()
 
 
-def _sql_store(target: Any, create_schema: bool) -> SlotStore:
+def _sql_store(target: Any, options: StoreOptions) -> SlotStore:
     from .sql import sql_store
 
-    return sql_store(target, create_schema=create_schema)
+    return sql_store(target, create_schema=options.create_schema)
 
 
-def _redis_store(target: Any, create_schema: bool) -> SlotStore:
+def _redis_store(target: Any, options: StoreOptions) -> SlotStore:
     try:
         from .redis import RedisStore
     except ImportError as exc:
         raise MissingDependencyError(
             f'the Redis store needs redis-py: pip install "celery-caps[redis]" ({exc})'
         ) from exc
-    return RedisStore(target)
+    return RedisStore(target, key_prefix=options.redis_key_prefix, master_name=options.redis_master_name)
 
 
 register_store("memory", _memory_store)
 for _scheme in ("sqlite", "postgresql", "postgres", "mysql", "mariadb"):
     register_store(_scheme, _sql_store)
-for _scheme in ("redis", "rediss", "redis+unix", "unix"):
+for _scheme in ("redis", "rediss", "redis+unix", "unix", "redis+cluster", "rediss+cluster", "sentinel"):
     register_store(_scheme, _redis_store)

@@ -97,11 +97,12 @@ the same: a park writes the store-wide waiting-list keys (``P:waiting``,
 ``P:payloads``, ``P:waitlists``, ``P:done:...``), a multi-slot park (a task with several caps)
 writes the waiting lists of several slots, and a release dispatches waiters whose
 other slots, and their lists, live under other tags.  A script may only touch keys
-of one hash slot on a cluster, so on Redis Cluster every key of the store must be
-co-located: give the prefix a hash tag of its own (for example
-``key_prefix="{caps}"``; Cluster hashes only the first ``{...}`` of a key), which
-puts the whole store on one shard.  That set-up is not tested; standalone Redis
-(optionally behind Sentinel) is what this store is built for.
+of one hash slot on a cluster, so on Redis Cluster every key of the store is
+co-located: the store gives its prefix a hash tag of its own (``caps`` becomes
+``{caps}``, see :func:`~celery_caps.stores.redis_clients.hash_tagged`; Cluster
+hashes only the first ``{...}`` of a key), which puts the whole store on one shard.
+How the client is built (one server, ``redis+cluster://``, ``sentinel://``, ready
+objects) is :mod:`celery_caps.stores.redis_clients`.
 
 Redis keeps what it has in memory: a Redis restart without persistence loses every
 lease and every sentinel, and every parked task's message with the waiting list.
@@ -113,23 +114,21 @@ on it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import re
+import threading
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
-from redis.backoff import ExponentialWithJitterBackoff
+import redis.cluster
 from redis.client import NEVER_DECODE
-from redis.commands.core import Script
-from redis.retry import Retry
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, StoreError
 from .base import (
     Admission,
     ClaimOutcome,
@@ -141,27 +140,27 @@ from .base import (
     SlotStatus,
     Waiter,
     Woken,
-    mask_url,
 )
-
-#: Connection settings for clients this store creates, unless the URL sets them.
-#: A store that hangs for long keeps a task from being put back; Redis answers
-#: these scripts in well under a second.
-_CLIENT_DEFAULTS: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
-#: Retries for clients this store creates: a connection reset or a failover blip is
-#: retried a few times within a fraction of a second; a real outage is reported as a
-#: StoreError at once, so the task goes back to the broker instead of stalling the
-#: worker.  (Replaying a script whose reply was lost is safe: see ``acquire``.)
-_RETRIES = 3
-_RETRY_BACKOFF_BASE_SECONDS = 0.01
-_RETRY_BACKOFF_CAP_SECONDS = 0.1
+from .redis_clients import RedisTarget, hash_tagged, target_from_client, target_from_url
 
 #: Helpers of the parking scripts, loaded after redis_common.lua.
 _WAITLIST_LIBRARY = "redis_waitlist.lua"
 _PARK_OUTCOMES = {outcome.value.encode(): outcome for outcome in ParkOutcome}
 _CLAIM_OUTCOMES = {outcome.value.encode(): outcome for outcome in ClaimOutcome}
+#: What to do when a client to one server meets a cluster.
+_USE_CLUSTER_URL = (
+    "set caps_url to redis+cluster://host:port[,host:port...] (or pass a redis.cluster.RedisCluster), "
+    "which puts every key of the store under one hash tag"
+)
 
-_PASSWORD_QUERY = re.compile(r"([?&]password=)[^&]*", re.IGNORECASE)
+
+class Script:
+    """One Lua script: its text and SHA1 (computed here: a cluster client needs no connection
+    for it, and the store builds its client on first use)."""
+
+    def __init__(self, source: str) -> None:
+        self.script = source.encode("utf-8")
+        self.sha = hashlib.sha1(self.script).hexdigest()
 
 
 def _encode(text: str) -> bytes:
@@ -192,69 +191,56 @@ def _load_script_source(name: str, *libraries: str) -> str:
     return "\n".join(package.joinpath(part).read_text("utf-8") for part in parts)
 
 
-def _scrub(text: str, password: object) -> str:
-    """``text`` with ``password`` masked, should a driver message ever quote it."""
-    if isinstance(password, str) and password:
-        return text.replace(password, "***")
-    return text
-
-
-def _redis_py_url(url: str) -> str:
-    # redis-py knows unix://, and ``redis+unix://`` is the same socket URL.
-    if url.lower().startswith("redis+unix://"):
-        return "unix://" + url[len("redis+unix://") :]
-    return url
-
-
-def _display_url(url: str) -> str:
-    """``url`` safe to show: masked password, also in a ``unix://...?password=`` query."""
-    return _PASSWORD_QUERY.sub(r"\1***", mask_url(url))
-
-
 class RedisStore(ParkingStore):
     """Slots in Redis, each operation one atomic Lua script (see the module docstring).
 
     Args:
         target: A URL (``redis://[:password@]host:port/db``, ``rediss://...``,
-            ``unix:///path/to/redis.sock?db=0``, ``redis+unix://...``) or a ready
-            ``redis.Redis`` client.  A client passed in is never closed by
-            :meth:`close`, and may decode responses or not.
+            ``unix:///path/to/redis.sock?db=0``, ``redis+unix://...``;
+            ``redis+cluster://host:port[,host:port...]`` for Redis Cluster;
+            ``sentinel://host:port[;sentinel://host:port...]?master_name=name`` for
+            Redis Sentinel) or a ready client: a ``redis.Redis`` (also a Sentinel
+            ``master_for`` client), a ``redis.cluster.RedisCluster``, or a
+            ``redis.sentinel.Sentinel`` with ``master_name``.  A client passed in is
+            never closed by :meth:`close`, and may decode responses or not.
         key_prefix: Prefix of every key this store uses; stores with different
-            prefixes share a Redis database without seeing each other's slots.
+            prefixes share a Redis database without seeing each other's slots.  On
+            Redis Cluster the prefix gets a hash tag unless it has one (``caps``
+            becomes ``{caps}``), so that every key of the store, and so every
+            script's keys, lands in one hash slot.
+        master_name: The Sentinel master's name, for a ``sentinel://`` URL without a
+            ``master_name`` parameter, or a ``Sentinel`` object.
+
+    The client is created on first use: a cluster client contacts the cluster as it
+    is created, and a failure there is a :class:`~celery_caps.errors.StoreError` of
+    the operation like any other (the task is put back), not an error of building
+    the store.
     """
 
     # OSError: redis-py wraps socket errors as a rule, but not on every path.
-    driver_errors = (redis.exceptions.RedisError, OSError)
+    # RedisClusterException: redis-py's cluster errors that are not RedisErrors (no
+    # node reachable, a slot not covered, cross-slot keys found client-side).
+    driver_errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
-    def __init__(self, target: str | redis.Redis, *, key_prefix: str = "caps") -> None:
+    def __init__(
+        self, target: str | redis.Redis | Any, *, key_prefix: str = "caps", master_name: str | None = None
+    ) -> None:
         if not isinstance(key_prefix, str) or not key_prefix:
             raise ConfigurationError(f"the Redis key prefix must be a non-empty string, got {key_prefix!r}")
-        if isinstance(target, str):
-            self._display_url = _display_url(target)
-            backoff = ExponentialWithJitterBackoff(_RETRY_BACKOFF_CAP_SECONDS, _RETRY_BACKOFF_BASE_SECONDS)
-            try:
-                self._client = redis.Redis.from_url(
-                    _redis_py_url(target), retry=Retry(backoff, _RETRIES), **_CLIENT_DEFAULTS
-                )
-            except (ValueError, TypeError) as exc:
-                try:
-                    password = urlsplit(target).password
-                except ValueError:
-                    password = None
-                raise ConfigurationError(
-                    f"caps_url {self._display_url!r} is not a valid Redis URL: {_scrub(str(exc), password)}"
-                ) from exc
-            self._owns_client = True
-        else:
-            module = type(target).__module__
-            if module.startswith("redis.asyncio") or not hasattr(target, "register_script"):
-                raise ConfigurationError(
-                    f"the Redis store needs a synchronous redis client (redis.Redis), got "
-                    f"{module}.{type(target).__qualname__}"
-                )
-            self._client = target
-            self._owns_client = False
-            self._display_url = self._describe_client(target)
+        if master_name is not None and (not isinstance(master_name, str) or not master_name):
+            raise ConfigurationError(f"the Sentinel master name must be a non-empty string, got {master_name!r}")
+        self._target: RedisTarget = (
+            target_from_url(target, master_name=master_name)
+            if isinstance(target, str)
+            else target_from_client(target, master_name=master_name)
+        )
+        self._display_url = self._target.description
+        self._owns_client = self._target.owned
+        self._client_instance: Any = None
+        self._client_lock = threading.Lock()
+        if self._target.cluster:
+            key_prefix = hash_tagged(key_prefix)
+        #: The prefix of every key, with the hash tag added on Redis Cluster.
         self.key_prefix = key_prefix
         prefix = _encode(key_prefix)
         self._prefix = prefix
@@ -290,9 +276,26 @@ class RedisStore(ParkingStore):
         self._waiters = self._script("redis_waiters.lua", _WAITLIST_LIBRARY)
 
     @property
-    def client(self) -> redis.Redis:
-        """The redis-py client the store runs on."""
+    def client(self) -> Any:
+        """The redis-py client the store runs on (a ``redis.Redis`` or a ``RedisCluster``),
+        created on first use."""
         return self._client
+
+    @property
+    def _client(self) -> Any:
+        if self._client_instance is None:
+            with self._client_lock:  # the task thread and the lease keeper may both be first
+                if self._client_instance is None:
+                    self._client_instance = self._target.connect()
+        return self._client_instance
+
+    def __repr__(self) -> str:
+        return f"<RedisStore {self._display_url} key_prefix={self.key_prefix!r}>"
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether the store runs on Redis Cluster (its key prefix then carries a hash tag)."""
+        return self._target.cluster
 
     @property
     def display_url(self) -> str:
@@ -329,14 +332,20 @@ class RedisStore(ParkingStore):
     # -- plumbing -----------------------------------------------------------------
 
     def _script(self, name: str, *libraries: str) -> Script:
-        script = self._client.register_script(_load_script_source(name, *libraries))
+        script = Script(_load_script_source(name, *libraries))
         self._scripts.append(script)
         return script
 
     def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
         """Connect (the pool keeps the connection for the first call; it opens one for each
         further thread on demand, in a fraction of a millisecond) and load every script the
-        server does not have yet, so that no first call pays a ``NOSCRIPT`` round trip."""
+        server does not have yet, so that no first call pays a ``NOSCRIPT`` round trip.
+
+        A ``redis://`` URL that leads to a Redis Cluster node is a :class:`StoreError` saying
+        to use ``redis+cluster://`` (its scripts would fail on every call with ``CROSSSLOT``).
+        """
+        if not self._target.cluster and str(self._client.info("cluster").get("cluster_enabled", "0")) == "1":
+            raise StoreError(f"the Redis server at {self._display_url} is a Redis Cluster node: {_USE_CLUSTER_URL}")
         loaded = self._client.script_exists(*(script.sha for script in self._scripts))
         for script, present in zip(self._scripts, loaded, strict=True):
             if not present:
@@ -345,8 +354,14 @@ class RedisStore(ParkingStore):
     def durability_warning(self) -> str | None:
         """A warning when the server keeps no append-only file: its waiting lists live in
         memory, and a restart (or a failover to a replica behind it) loses every parked task."""
-        persistence = self._client.info("persistence")
-        if str(persistence.get("aof_enabled", "0")) == "1":
+        if self._target.cluster:
+            # One reply per primary: every shard must keep one.
+            replies = self._client.info("persistence", target_nodes=redis.cluster.RedisCluster.PRIMARIES)
+            one_server = not isinstance(replies, dict) or "aof_enabled" in replies
+            servers = [replies] if one_server else list(replies.values())
+        else:
+            servers = [self._client.info("persistence")]
+        if all(str(server.get("aof_enabled", "0")) == "1" for server in servers):
             return None
         return (
             f"the Redis server at {self._display_url} keeps no append-only file (appendonly no): a restart "
@@ -355,23 +370,18 @@ class RedisStore(ParkingStore):
             "the broker."
         )
 
-    @staticmethod
-    def _describe_client(client: Any) -> str:
-        try:
-            options = client.connection_pool.connection_kwargs
-        except AttributeError:
-            return f"<{type(client).__name__}>"
-        db = options.get("db", 0)
-        if options.get("path"):
-            return f"unix://{options['path']}?db={db}"
-        return f"redis://{options.get('host', '?')}:{options.get('port', '?')}/{db}"
-
     def secrets(self) -> Sequence[str]:
-        try:
-            password = self._client.connection_pool.connection_kwargs.get("password")
-        except AttributeError:
-            return ()
-        return (password,) if isinstance(password, str) and password else ()
+        return self._target.secrets
+
+    def store_error(self, operation: str, exc: BaseException) -> StoreError:
+        error = super().store_error(operation, exc)
+        # redis-py 5 reports CROSSSLOT from a client to one server as a bare ResponseError.
+        cluster_reply = isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(
+            ("CROSSSLOT", "Keys in request don't hash", "MOVED")
+        )
+        if not self._target.cluster and (cluster_reply or isinstance(exc, redis.exceptions.MovedError)):
+            return StoreError(f"{error} ({_USE_CLUSTER_URL})")
+        return error
 
     def _run(self, operation: str, script: Script, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
         """Run ``script`` (one ``EVALSHA``); its reply is never decoded: names and payloads
@@ -386,9 +396,7 @@ class RedisStore(ParkingStore):
     def _evalsha(self, script: Script, keys: Sequence[bytes], args: Sequence[bytes | str]) -> Any:
         # NEVER_DECODE: the reply as stored, even from a client that decodes responses.
         options: dict[str, Any] = {NEVER_DECODE: []}
-        return self._client.execute_command(  # type: ignore[no-untyped-call]
-            "EVALSHA", script.sha, len(keys), *keys, *args, **options
-        )
+        return self._client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **options)
 
     @staticmethod
     def _seconds(value: float, name: str = "lease_seconds") -> str:
@@ -659,9 +667,13 @@ class RedisStore(ParkingStore):
         # A child must not talk over its parent's sockets.  redis-py's pool notices
         # the new pid by itself; resetting it here makes that explicit for a client
         # we own (one handed to us is its owner's business).
-        if self._owns_client:
-            self._client.connection_pool.reset()
+        # A cluster client keeps one pool per node, each of which resets itself on the new pid.
+        # A lock some thread of the parent held when it forked stays held in the child.
+        self._client_lock = threading.Lock()
+        if self._owns_client and self._client_instance is not None and not self._target.cluster:
+            self._client_instance.connection_pool.reset()
 
     def close(self) -> None:
-        if self._owns_client:
-            self._client.close()
+        if self._owns_client and self._client_instance is not None:
+            self._client_instance.close()
+            self._client_instance = None

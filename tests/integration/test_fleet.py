@@ -39,6 +39,13 @@ def _urls(store: str, broker: str, tmp_path: Path) -> tuple[str, str]:
         pytest.param("sqlite", "redis", marks=[pytest.mark.sqlite, pytest.mark.redis], id="sqlite-redis"),
         pytest.param("redis", "amqp", marks=[pytest.mark.redis, pytest.mark.amqp], id="redis-amqp"),
         pytest.param("redis", "redis", marks=[pytest.mark.redis], id="redis-redis"),
+        # The topologies production runs: caps_url = "redis+cluster://..." / "sentinel://...".
+        pytest.param(
+            "redis_cluster", "redis", marks=[pytest.mark.redis_cluster, pytest.mark.redis], id="redis_cluster-redis"
+        ),
+        pytest.param(
+            "redis_sentinel", "redis", marks=[pytest.mark.redis_sentinel, pytest.mark.redis], id="redis_sentinel-redis"
+        ),
     ],
 )
 def test_caps_hold_across_a_fleet(make_fleet: FleetFactory, tmp_path: Path, store: str, broker: str) -> None:

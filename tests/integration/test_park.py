@@ -47,6 +47,10 @@ PARK_ON_PUBLISH = json.dumps({"caps_park_on_publish": True})
         pytest.param("mysql", marks=[pytest.mark.mysql, pytest.mark.redis], id="mysql-redis"),
         pytest.param("sqlite", marks=[pytest.mark.sqlite, pytest.mark.redis], id="sqlite-redis"),
         pytest.param("redis", marks=[pytest.mark.redis], id="redis-redis"),
+        pytest.param("redis_cluster", marks=[pytest.mark.redis_cluster, pytest.mark.redis], id="redis_cluster-redis"),
+        pytest.param(
+            "redis_sentinel", marks=[pytest.mark.redis_sentinel, pytest.mark.redis], id="redis_sentinel-redis"
+        ),
     ],
 )
 def test_parked_tasks_are_woken_once_each_and_caps_hold(make_fleet: FleetFactory, tmp_path: Path, store: str) -> None:
