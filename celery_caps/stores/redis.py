@@ -117,7 +117,7 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
@@ -153,6 +153,8 @@ _CLIENT_DEFAULTS: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeo
 #: StoreError at once, so the task goes back to the broker instead of stalling the
 #: worker.  (Replaying a script whose reply was lost is safe: see ``acquire``.)
 _RETRIES = 3
+#: Slot names read per HSCAN call, and per status script, by the reads of every slot name.
+SCAN_BATCH = 500
 _RETRY_BACKOFF_BASE_SECONDS = 0.01
 _RETRY_BACKOFF_CAP_SECONDS = 0.1
 
@@ -455,13 +457,37 @@ class RedisStore(ParkingStore):
     def sweep(self) -> int:
         return int(self._run("sweep", self._sweep, self._index_keys, [self._prefix]))
 
+    def _slot_names(self) -> Iterator[list[bytes]]:
+        """The known slot names (the fields of ``P:limits``), :data:`SCAN_BATCH` at a time, with
+        ``HSCAN``: each call a short one, never the whole hash at once."""
+        batch: list[bytes] = []
+        for field, _limit in self._client.hscan_iter(self._limits_key, count=SCAN_BATCH):
+            batch.append(field)
+            if len(batch) >= SCAN_BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
     def status(self) -> list[SlotStatus]:
-        reply = self._run("status", self._status, [self._limits_key], [self._prefix])
-        statuses = [
-            SlotStatus(_text(reply[i]), int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]))
-            for i in range(0, len(reply), 4)
-        ]
-        return sorted(statuses, key=lambda status: status.slot)
+        # A batch of names per script, so that no call holds the server for every slot name (each
+        # batch is read from its own snapshot; a slot pruned meanwhile is left out).
+        statuses: dict[str, SlotStatus] = {}
+        for names in self._slot_names():
+            reply = self._run("status", self._status, [self._limits_key], [self._prefix, *names])
+            for i in range(0, len(reply), 4):
+                slot = _text(reply[i])
+                statuses[slot] = SlotStatus(slot, int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]))
+        return [statuses[slot] for slot in sorted(statuses)]
+
+    def keys_per_cap(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for names in self._slot_names():
+            for name in names:
+                cap, separator, _key = _text(name).partition(":")
+                if separator:
+                    counts[cap] = counts.get(cap, 0) + 1
+        return counts
 
     def leases(self, slot: str | None = None) -> list[Lease]:
         args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]
