@@ -264,6 +264,12 @@ class SQLLeaseStore(SlotStore):
                         deleted = count
             return deleted, more
 
+        def anything_expired(connection: Connection) -> bool:
+            now = connection.execute(statements["now"]).scalar_one()
+            return bool(connection.execute(statements["anything_expired"], {"now": now}).scalar_one())
+
+        if not self._transaction(anything_expired, read_only=True):
+            return 0
         total, more = 0, True
         while more:
             deleted, more = self._transaction(batch)

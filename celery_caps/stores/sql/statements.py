@@ -51,10 +51,14 @@ TEMPLATES: dict[str, str] = {
     # expiry's index, then deleted if still expired (a run admitted again replaces its row).
     # Sentinels have a NULL expiry, which no comparison matches: the sweep keeps them.
     "now": "SELECT {now}",
-    "expired_runs": (
-        "SELECT run_id FROM concurrency_slots WHERE expires_at <= :now ORDER BY expires_at LIMIT :batch"
-    ),
+    "expired_runs": ("SELECT run_id FROM concurrency_slots WHERE expires_at <= :now ORDER BY expires_at LIMIT :batch"),
     "sweep": "DELETE FROM concurrency_slots WHERE run_id IN :run_ids AND expires_at <= :now",
+    # Whether the sweep has anything to do (read first, so that a sweep with nothing to do takes
+    # no write lock: on SQLite, the whole database's).
+    "anything_expired": (
+        "SELECT CASE WHEN EXISTS (SELECT 1 FROM concurrency_slots WHERE expires_at <= :now) "
+        "OR EXISTS (SELECT 1 FROM concurrency_waiters WHERE done_until <= :now) THEN 1 ELSE 0 END"
+    ),
     "old_tombstones": (
         "SELECT task_id FROM concurrency_waiters WHERE done_until <= :now ORDER BY done_until LIMIT :batch"
     ),
