@@ -2,7 +2,7 @@
 
 Where to look:
 
-* :mod:`.schema`: the three tables (``metadata`` for your own migrations);
+* :mod:`.schema`: the four tables (``metadata`` for your own migrations);
 * :mod:`.statements`: every SQL statement, by name;
 * :mod:`.dialects`: what differs between the databases, and their engines' options;
 * :mod:`.leases`: admission, renewal, release and the operators' reads, in portable SQL;
