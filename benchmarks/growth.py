@@ -40,6 +40,8 @@ PART = "growth"
 WAITLIST_SIZES = (100, 10_000, 100_000)
 KEY_SIZES = (10, 10_000, 100_000)
 CLIENTS = (1, 2, 4, 8)
+#: Hand-over cycles run before each list size's measured ones.
+WARM_UP_CYCLES = 5
 #: The beat's threshold of keys per cap (the setting's default).
 KEY_WARNING_THRESHOLD = 1000
 #: Pause between two runs of the beat's work while another client is watched (a real beat runs
@@ -142,7 +144,8 @@ def measure_waitlist(report: Report, options: Options, target: StoreTarget, size
             fill_waitlist(store, slot, size, 1000.0)
             target.vacuum_store("waiters")
             hand_over[size], parks[size], claims[size] = [], [], []
-            for i in range(samples):
+            for i in range(-WARM_UP_CYCLES, samples):
+                # (The first cycles are not counted: a new session compiles PostgreSQL's functions.)
                 seconds, (_deleted, woken) = _timed(store.release_and_wake, holder, 600.0)
                 hand_over[size].append(ms(seconds))
                 [dispatched] = woken
@@ -155,6 +158,9 @@ def measure_waitlist(report: Report, options: Options, target: StoreTarget, size
                 )  # fmt: skip
                 seconds, _outcome = _timed(store.park, request)
                 parks[size].append(ms(seconds))
+                if i < 0:
+                    for values in (hand_over[size], claims[size], parks[size]):
+                        values.pop()
             options.log(
                 f"[growth] {target.name}: {size:,} waiters: hand-over {median(hand_over[size]):.3f} ms, "
                 f"park {median(parks[size]):.3f} ms, claim {median(claims[size]):.3f} ms"
@@ -242,6 +248,7 @@ def measure_keys(report: Report, options: Options, target: StoreTarget, sizes: t
             populate_slot_names(target, "keys", names, 4)
             present = size
             target.vacuum_store("keys")
+            store.sweep()  # (a new session's first statements are not counted)
             sweep[size] = [ms(_timed(store.sweep)[0]) for _ in range(sweeps)]
             beat[size] = [ms(_timed(sweep_store, store, KEY_WARNING_THRESHOLD)[0]) for _ in range(beats)]
             quiet, _ = _another_client(target, store, other, watch_seconds, beat=False)

@@ -265,8 +265,8 @@ class SQLLeaseStore(SlotStore):
             return deleted, more
 
         def anything_expired(connection: Connection) -> bool:
-            now = connection.execute(statements["now"]).scalar_one()
-            return bool(connection.execute(statements["anything_expired"], {"now": now}).scalar_one())
+            now, lease, tombstone = connection.execute(statements["next_expiries"]).one()
+            return any(expiry is not None and expiry <= now for expiry in (lease, tombstone))
 
         if not self._transaction(anything_expired, read_only=True):
             return 0

@@ -53,11 +53,19 @@ TEMPLATES: dict[str, str] = {
     "now": "SELECT {now}",
     "expired_runs": ("SELECT run_id FROM concurrency_slots WHERE expires_at <= :now ORDER BY expires_at LIMIT :batch"),
     "sweep": "DELETE FROM concurrency_slots WHERE run_id IN :run_ids AND expires_at <= :now",
-    # Whether the sweep has anything to do (read first, so that a sweep with nothing to do takes
-    # no write lock: on SQLite, the whole database's).
-    "anything_expired": (
-        "SELECT CASE WHEN EXISTS (SELECT 1 FROM concurrency_slots WHERE expires_at <= :now) "
-        "OR EXISTS (SELECT 1 FROM concurrency_waiters WHERE done_until <= :now) THEN 1 ELSE 0 END"
+    # Whether the sweep has anything to do, read first (so that a sweep with nothing to do takes
+    # no write lock: on SQLite, the whole database's): the clock, the earliest lease expiry and
+    # the earliest end of a tombstone, each the first entry of its index (no parameter: a plan
+    # cached for a parameter could scan instead).
+    "next_expiries": (
+        "SELECT {now}, "
+        "(SELECT expires_at FROM concurrency_slots WHERE expires_at IS NOT NULL ORDER BY expires_at LIMIT 1), "
+        "(SELECT done_until FROM concurrency_waiters WHERE done_until IS NOT NULL ORDER BY done_until LIMIT 1)"
+    ),
+    # The clock and the earliest deadline of a dispatch (recovery returns the expired ones).
+    "next_dispatch_deadline": (
+        "SELECT {now}, (SELECT dispatch_expires_at FROM concurrency_waiters WHERE dispatch_expires_at IS NOT NULL "
+        "AND done_until IS NULL ORDER BY dispatch_expires_at LIMIT 1)"
     ),
     "old_tombstones": (
         "SELECT task_id FROM concurrency_waiters WHERE done_until <= :now ORDER BY done_until LIMIT :batch"

@@ -344,8 +344,11 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             # claim takes them, one dispatch after the other in task order (so concurrent
             # recoveries never wait for each other in a circle).
             expired = statements["expired_dispatches" if caps is None else "expired_dispatches_of"]
-            now = connection.execute(statements["now"]).scalar_one()
-            for task_id, dispatch_run_id in connection.execute(expired, {**of_slots, "now": now}).all():
+            now, deadline = connection.execute(statements["next_dispatch_deadline"]).one()
+            due: Sequence[Any] = []
+            if deadline is not None and deadline <= now:
+                due = connection.execute(expired, {**of_slots, "now": now}).all()
+            for task_id, dispatch_run_id in due:
                 dispatch = {"task_id": task_id, "run_id": dispatch_run_id}
                 connection.execute(statements["delete_dispatch_leases"], dispatch)
                 connection.execute(statements["undispatch"], dispatch)
