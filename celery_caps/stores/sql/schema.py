@@ -124,6 +124,10 @@ concurrency_waiters = sa.Table(
         postgresql_where=sa.text("slot_count > 1"),
         sqlite_where=sa.text("slot_count > 1"),
     ),
+    # Recovery's: whether a slot's waiters include one parked with a limit above its holders
+    # (room for it), and the oldest waiter (whether any is past the maximum wait).
+    sa.Index("ix_concurrency_waiters_limit", "slot", "slot_limit"),
+    sa.Index("ix_concurrency_waiters_first_deferred", "first_deferred_at"),
     # The sweep's and recovery's passes read only what is due: old tombstones, dispatches past
     # their deadline (NULL on most rows: partial where possible).
     sa.Index(

@@ -177,15 +177,20 @@ TEMPLATES: dict[str, str] = {
     # The slots (of :slots, or any) with waiting entries where a waiter may fit: fewer live
     # holders than the highest limit its waiters were parked with (read without locks: recovery
     # locks these).
+    # (A slot with a list, whose waiting entries include one parked with a limit above its live
+    # holders: one row per slot with a list, and ix_concurrency_waiters_limit finds such an entry
+    # without walking the list.)
     "slots_with_room": (
-        "SELECT w.slot FROM concurrency_waiters w WHERE w.dispatch_run_id IS NULL AND w.slot IN :slots "
-        "GROUP BY w.slot HAVING (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
-        "WHERE c.slot = w.slot AND c.expires_at > {now}) < MAX(w.slot_limit)"
+        "SELECT n.slot FROM concurrency_waitlists n WHERE n.slot IN :slots AND n.entries > 0 AND EXISTS ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL "
+        "AND w.slot_limit > (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
+        "WHERE c.slot = n.slot AND c.expires_at > {now}))"
     ),
     "all_slots_with_room": (
-        "SELECT w.slot FROM concurrency_waiters w WHERE w.dispatch_run_id IS NULL "
-        "GROUP BY w.slot HAVING (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
-        "WHERE c.slot = w.slot AND c.expires_at > {now}) < MAX(w.slot_limit)"
+        "SELECT n.slot FROM concurrency_waitlists n WHERE n.entries > 0 AND EXISTS ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL "
+        "AND w.slot_limit > (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
+        "WHERE c.slot = n.slot AND c.expires_at > {now}))"
     ),
     # The waiters of :slots in their order, a batch at a time (keyset: from the row ordered at
     # :first/:parked/:task_id on).  Every row of one waiter has the same order key, so a waiter's
@@ -244,6 +249,12 @@ TEMPLATES: dict[str, str] = {
     # A dispatch's leases, never a run's (a claimed lease's holder is its run's).
     "delete_dispatch_leases": (
         f"DELETE FROM concurrency_slots WHERE run_id = :run_id AND task_id = :task_id AND holder = '{DISPATCH_HOLDER}'"
+    ),
+    # The earliest first deferral of a waiting entry (recovery reads the overdue ones only if it
+    # is before :before).
+    "first_waiting_since": (
+        "SELECT first_deferred_at FROM concurrency_waiters WHERE dispatch_run_id IS NULL "
+        "ORDER BY first_deferred_at LIMIT 1"
     ),
     # Waiting entries to dispatch without leases, oldest first: first deferred before :before.
     "overdue": (

@@ -353,7 +353,8 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 connection.execute(statements["delete_dispatch_leases"], dispatch)
                 connection.execute(statements["undispatch"], dispatch)
             overdue: list[str] = []
-            if readmit_before is not None:
+            first = None if readmit_before is None else connection.execute(statements["first_waiting_since"]).scalar()
+            if readmit_before is not None and first is not None and first < readmit_before:
                 statement = statements["overdue" if caps is None else "overdue_of"]
                 rows = connection.execute(statement, {"before": readmit_before, **of_slots})
                 overdue = [as_text(row[0]) for row in rows]
