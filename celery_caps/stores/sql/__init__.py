@@ -22,6 +22,7 @@ from .schema import (
     concurrency_slots,
     concurrency_slots_history,
     concurrency_waiters,
+    concurrency_waitlists,
     metadata,
 )
 from .waitlist import SQLStore
@@ -34,6 +35,7 @@ __all__ = [
     "concurrency_slots",
     "concurrency_slots_history",
     "concurrency_waiters",
+    "concurrency_waitlists",
     "metadata",
     "sql_store",
 ]
