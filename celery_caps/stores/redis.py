@@ -214,7 +214,9 @@ def _display_url(url: str) -> str:
 
 
 class RedisStore(ParkingStore):
-    """Slots in Redis, each operation one atomic Lua script (see the module docstring).
+    """Slots in Redis, each operation one atomic Lua script (see the module docstring); the
+    reads of every slot name (``status``, ``keys_per_cap``) walk them with ``HSCAN``, a batch at
+    a time, so that none holds the server for all of them.
 
     Args:
         target: A URL (``redis://[:password@]host:port/db``, ``rediss://...``,
