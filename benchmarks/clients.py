@@ -56,6 +56,8 @@ class StoreTarget:
     kind: str  # "sql" or "redis"
     urls: dict[str, str]
     run_prefix: str
+    #: Databases created for this target alone (dropped by :meth:`drop_databases`).
+    own_databases: bool = False
 
     def key_prefix(self, variant: str) -> str:
         return f"{self.run_prefix}-{variant}"
@@ -102,17 +104,46 @@ class StoreTarget:
             for url in self.urls.values():
                 vacuum_database(url, full=full)
 
+    def vacuum_store(self, variant: str) -> None:
+        """PostgreSQL: ``VACUUM ANALYZE`` the tables of one variant."""
+        if self.name == "postgresql":
+            vacuum_database(self.urls[variant])
+
+    def drop_databases(self) -> None:
+        """Drop the databases created for this target alone (PostgreSQL, MariaDB)."""
+        if not self.own_databases or self.name == "sqlite" or self.kind != "sql":
+            return
+        for url in self.urls.values():
+            parsed = sa.engine.make_url(url)
+            engine = sa.create_engine(parsed.set(database=_server_database(parsed)), isolation_level="AUTOCOMMIT")
+            try:
+                with engine.connect() as connection:
+                    if parsed.get_backend_name() == "postgresql":
+                        connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{parsed.database}" WITH (FORCE)')
+                    else:
+                        connection.exec_driver_sql(f"DROP DATABASE IF EXISTS `{parsed.database}`")
+            finally:
+                engine.dispose()
+
     def cleanup(self) -> None:
         """Delete everything this run created (rows under its slot prefix, its Redis keys)."""
         for variant in self.urls:
             if self.kind == "redis":
                 client = redis.Redis.from_url(self.urls[variant])
                 try:
+                    batch = []
                     for key in client.scan_iter(match=f"{self.key_prefix(variant)}*", count=1000):
-                        client.delete(key)
+                        batch.append(key)
+                        if len(batch) >= 1000:
+                            client.delete(*batch)
+                            batch = []
+                    if batch:
+                        client.delete(*batch)
                 finally:
                     client.close()
                 continue
+            if self.own_databases:
+                continue  # dropped whole
             store = self.open(variant)
             assert isinstance(store, SQLStore)
             with store.engine.begin() as connection:
@@ -126,12 +157,16 @@ class StoreTarget:
             store.close()
 
 
-def store_targets(names: list[str], run_prefix: str, tmp_dir: Path) -> tuple[list[StoreTarget], list[str]]:
-    """The stores to benchmark among ``names``, and a note for each one left out."""
+def store_targets(
+    names: list[str], run_prefix: str, tmp_dir: Path, *, growth: bool = False
+) -> tuple[list[StoreTarget], list[str]]:
+    """The stores to benchmark among ``names``, and a note for each one left out.  ``growth``:
+    variants ``waiters`` and ``keys`` in databases of their own, named after ``run_prefix``."""
     targets, skipped = [], []
+    variants = ("waiters", "keys") if growth else ("main", "keys")
     for name in names:
         if name == "sqlite":
-            urls = {variant: f"sqlite:///{tmp_dir / f'{variant}.db'}" for variant in ("main", "keys")}
+            urls = {variant: f"sqlite:///{tmp_dir / f'{run_prefix}-{variant}.db'}" for variant in variants}
             targets.append(StoreTarget(name, "sql", urls, run_prefix))
             continue
         service = {"postgresql": "postgres", "mariadb": "mysql", "redis": "redis"}[name]
@@ -141,15 +176,26 @@ def store_targets(names: list[str], run_prefix: str, tmp_dir: Path) -> tuple[lis
             skipped.append(f"{name}: {why}")
             continue
         if name == "redis":
-            targets.append(StoreTarget(name, "redis", {"main": url, "keys": url}, run_prefix))
+            targets.append(StoreTarget(name, "redis", dict.fromkeys(variants, url), run_prefix))
             continue
         try:
-            urls = {variant: bench_database_url(url, variant) for variant in ("main", "keys")}
+            if growth:
+                urls = {
+                    variant: bench_database_url(url, variant, name=f"caps_growth_{variant}_{run_prefix}".lower())
+                    for variant in variants
+                }
+            else:
+                urls = {variant: bench_database_url(url, variant) for variant in variants}
         except sa.exc.SQLAlchemyError as exc:
             skipped.append(f"{name}: cannot create the benchmark databases ({type(exc).__name__}: {exc})")
             continue
-        targets.append(StoreTarget(name, "sql", urls, run_prefix))
+        targets.append(StoreTarget(name, "sql", urls, run_prefix, own_databases=growth))
     return targets, skipped
+
+
+def _server_database(url: sa.engine.URL) -> str:
+    """A database to connect to while dropping another: the server's default one."""
+    return "postgres" if url.get_backend_name() == "postgresql" else "mysql"
 
 
 def populate_slot_names(target: StoreTarget, variant: str, names: list[str], limit: int = 4) -> None:
@@ -718,7 +764,7 @@ def _measure(
 
 
 #: The store's tables on PostgreSQL (the waiting list churns like the leases).
-STORE_TABLES = ("concurrency_slots", "concurrency_waiters")
+STORE_TABLES = ("concurrency_slots", "concurrency_waiters", "concurrency_waitlists")
 
 
 def vacuum_database(url: str, *, full: bool = False) -> None:

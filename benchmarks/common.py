@@ -88,10 +88,11 @@ def drop_bench_databases(server_url: str) -> None:
         engine.dispose()
 
 
-def bench_database_url(server_url: str, variant: str) -> str:
-    """``server_url`` pointed at the benchmark database of ``variant``, created if missing."""
+def bench_database_url(server_url: str, variant: str, *, name: str | None = None) -> str:
+    """``server_url`` pointed at the benchmark database of ``variant`` (or ``name``), created if
+    missing."""
     url = sa.engine.make_url(server_url)
-    name = BENCH_DATABASES[variant]
+    name = name or BENCH_DATABASES[variant]
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as connection:

@@ -5,7 +5,8 @@ Parts (``--only`` takes a comma-separated list, all by default):
 * ``store``: store operations per store against the floor and the peers;
 * ``overhead``: capped vs uncapped tasks through a real worker;
 * ``utilisation``: slot utilisation under a binding cap, global and per key;
-* ``scaling``: admission cost against contenders, slot names and held leases; renewal.
+* ``scaling``: admission cost against contenders, slot names and held leases; renewal;
+* ``growth``: step costs against the waiting list's length, the number of keys and of clients.
 
 Prints one table and writes the figures, the machine and the arguments as JSON
 (``benchmarks/results/latest.json`` by default).  See ``benchmarks/README.md``.
@@ -26,7 +27,7 @@ from pathlib import Path
 # (a PYTHONPATH naming a snapshot of celery_caps makes that snapshot the one measured).
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import scaling, store_ops, task_overhead, utilisation
+from benchmarks import growth, scaling, store_ops, task_overhead, utilisation
 from benchmarks.common import (
     REPO_ROOT,
     RESULTS_DIR,
@@ -47,7 +48,10 @@ PARTS = {
     "overhead": task_overhead.run,
     "utilisation": utilisation.run,
     "scaling": scaling.run,
+    "growth": growth.run,
 }
+#: The parts that use the shared benchmark databases (dropped at a run's start and end).
+_SHARED_DATABASE_PARTS = {"store", "overhead", "utilisation", "scaling"}
 STORES = ("sqlite", "postgresql", "mariadb", "redis")
 
 
@@ -136,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rounds = args.rounds or (1 if args.quick else 3)
     sql_servers = [service_url(name) for name in ("postgres", "mysql") if not reachable(service_url(name))]
+    if not _SHARED_DATABASE_PARTS.intersection(args.only):
+        sql_servers = []  # the growth part makes and drops databases of its own
     for server in sql_servers:
         drop_bench_databases(server)
     try:

@@ -275,6 +275,10 @@ def delete_own_rows(target: StoreTarget, store: SlotStore, prefix: str) -> None:
             connection.execute(
                 sa.text("DELETE FROM concurrency_waiters WHERE slot LIKE :pattern"), {"pattern": f"{prefix}%"}
             )
+            if sa.inspect(connection).has_table("concurrency_waitlists"):
+                connection.execute(
+                    sa.text("DELETE FROM concurrency_waitlists WHERE slot LIKE :pattern"), {"pattern": f"{prefix}%"}
+                )
 
 
 def own_status(store: SlotStore, prefix: str) -> dict[str, SlotStatus]:

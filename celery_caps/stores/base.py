@@ -364,6 +364,7 @@ _CHECKS: dict[str, Callable[..., None]] = {
     "release_task": _check_task,
     "sweep": _no_check,
     "status": _no_check,
+    "keys_per_cap": _no_check,
     "leases": _check_slot_filter,
     "prune": _check_prune,
     "record_history": _check_record_history,
@@ -489,6 +490,17 @@ class SlotStore(abc.ABC):
     @abc.abstractmethod
     def status(self) -> list[SlotStatus]:
         """Every known slot name with its limit, live holders and unswept leases."""
+
+    def keys_per_cap(self) -> dict[str, int]:
+        """How many distinct keys each keyed cap has (slot names ``name:key``), for the sweep's
+        warning.  This default reads :meth:`status`; the stores here count without reading
+        every slot's leases, and without holding up admissions."""
+        counts: dict[str, int] = {}
+        for status in self.status():
+            name, separator, _key = status.slot.partition(":")
+            if separator:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     @abc.abstractmethod
     def leases(self, slot: str | None = None) -> list[Lease]:

@@ -119,7 +119,7 @@ import json
 import math
 import threading
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
@@ -142,6 +142,9 @@ from .base import (
     Woken,
 )
 from .redis_clients import RedisTarget, hash_tagged, target_from_client, target_from_url
+
+#: Slot names read per HSCAN call, and per status script, by the reads of every slot name.
+SCAN_BATCH = 500
 
 #: Helpers of the parking scripts, loaded after redis_common.lua.
 _WAITLIST_LIBRARY = "redis_waitlist.lua"
@@ -192,7 +195,9 @@ def _load_script_source(name: str, *libraries: str) -> str:
 
 
 class RedisStore(ParkingStore):
-    """Slots in Redis, each operation one atomic Lua script (see the module docstring).
+    """Slots in Redis, each operation one atomic Lua script (see the module docstring); the
+    reads of every slot name (``status``, ``keys_per_cap``) walk them with ``HSCAN``, a batch at
+    a time, so that none holds the server for all of them.
 
     Args:
         target: A URL (``redis://[:password@]host:port/db``, ``rediss://...``,
@@ -463,13 +468,37 @@ class RedisStore(ParkingStore):
     def sweep(self) -> int:
         return int(self._run("sweep", self._sweep, self._index_keys, [self._prefix]))
 
+    def _slot_names(self) -> Iterator[list[bytes]]:
+        """The known slot names (the fields of ``P:limits``), :data:`SCAN_BATCH` at a time, with
+        ``HSCAN``: each call a short one, never the whole hash at once."""
+        batch: list[bytes] = []
+        for field, _limit in self._client.hscan_iter(self._limits_key, count=SCAN_BATCH):
+            batch.append(field)
+            if len(batch) >= SCAN_BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
     def status(self) -> list[SlotStatus]:
-        reply = self._run("status", self._status, [self._limits_key], [self._prefix])
-        statuses = [
-            SlotStatus(_text(reply[i]), int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]))
-            for i in range(0, len(reply), 4)
-        ]
-        return sorted(statuses, key=lambda status: status.slot)
+        # A batch of names per script, so that no call holds the server for every slot name (each
+        # batch is read from its own snapshot; a slot pruned meanwhile is left out).
+        statuses: dict[str, SlotStatus] = {}
+        for names in self._slot_names():
+            reply = self._run("status", self._status, [self._limits_key], [self._prefix, *names])
+            for i in range(0, len(reply), 4):
+                slot = _text(reply[i])
+                statuses[slot] = SlotStatus(slot, int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]))
+        return [statuses[slot] for slot in sorted(statuses)]
+
+    def keys_per_cap(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for names in self._slot_names():
+            for name in names:
+                cap, separator, _key = _text(name).partition(":")
+                if separator:
+                    counts[cap] = counts.get(cap, 0) + 1
+        return counts
 
     def leases(self, slot: str | None = None) -> list[Lease]:
         args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]

@@ -1,7 +1,9 @@
--- celery-caps status: every slot name ever admitted into, from one snapshot.
+-- celery-caps status: the slot names given (a batch of those the caller read from the limits
+-- hash with HSCAN), each still known, from one snapshot: a call costs its batch, never every
+-- slot name at once.
 --
 -- KEYS: limits
--- ARGV: prefix
+-- ARGV: prefix, slot names...
 -- Returns {slot, limit, live distinct task ids, expired unswept leases, ...}.
 
 local prefix = ARGV[1]
@@ -9,13 +11,15 @@ local now = now_seconds()
 local now_text = score_text(now)
 local live_from = '(' .. now_text
 
-local limits = redis.call('HGETALL', KEYS[1])
 local status = {}
-for i = 1, #limits, 2 do
-  local slot = limits[i]
-  status[#status + 1] = slot
-  status[#status + 1] = limits[i + 1]
-  status[#status + 1] = redis.call('ZCOUNT', slot_key(prefix, slot, 'tasks'), live_from, '+inf')
-  status[#status + 1] = redis.call('ZCOUNT', slot_key(prefix, slot, 'runs'), '-inf', now_text)
+for i = 2, #ARGV do
+  local slot = ARGV[i]
+  local limit = redis.call('HGET', KEYS[1], slot)
+  if limit then
+    status[#status + 1] = slot
+    status[#status + 1] = limit
+    status[#status + 1] = redis.call('ZCOUNT', slot_key(prefix, slot, 'tasks'), live_from, '+inf')
+    status[#status + 1] = redis.call('ZCOUNT', slot_key(prefix, slot, 'runs'), '-inf', now_text)
+  end
 end
 return status

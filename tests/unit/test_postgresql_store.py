@@ -187,7 +187,7 @@ def test_a_warm_up_rehearses_each_threads_connection_and_rolls_it_back(store: Po
 
     # Then nothing of the rehearsal was kept, and each connection ended its transaction
     with store.engine.connect() as connection:
-        for table in ("concurrency_slots", "concurrency_waiters"):
+        for table in ("concurrency_slots", "concurrency_waiters", "concurrency_waitlists"):
             left = connection.execute(
                 sa.text(f"SELECT count(*) FROM {table} WHERE slot LIKE :own"), {"own": f"{WARM_UP_SLOT_PREFIX}%"}
             )

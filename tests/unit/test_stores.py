@@ -327,6 +327,50 @@ def test_sweep_deletes_only_expired_leases_and_keeps_every_slot(
     admit(store, {idle: 2}, f"{prefix}after-sweep")
 
 
+def test_the_sweep_deletes_every_expired_lease_a_batch_at_a_time_and_no_live_one(
+    store: SlotStore, store_kind: StoreKind, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given batches of 3 (SQL stores delete a batch per transaction) and more expired leases
+    # than three batches hold, some of runs of two slots, next to live leases of the same slots
+    monkeypatch.setattr("celery_caps.stores.sql.leases.SWEEP_BATCH", 3)
+    wide, narrow = f"{prefix}wide", f"{prefix}narrow"
+    expired = [
+        admit(store, {wide: 50, **({narrow: 50} if i % 3 == 0 else {})}, f"{prefix}gone-{i}", lease_seconds=SHORT_LEASE)
+        for i in range(11)
+    ]
+    live = [admit(store, {wide: 50, narrow: 50}, f"{prefix}alive-{i}") for i in range(2)]
+    wait_until_expired(store, expired)
+
+    # When the sweep runs once
+    deleted = store.sweep()
+
+    # Then every expired lease is gone, and every live one is there
+    leases = 11 + 4  # a lease per slot of each expired run
+    assert deleted >= leases if store_kind.shared else deleted == leases
+    assert sorted({lease.run_id for lease in own_leases(store, prefix)}) == sorted(live)
+    assert own_status(store, prefix) == {
+        wide: SlotStatus(wide, limit=50, holders=2, expired=0),
+        narrow: SlotStatus(narrow, limit=50, holders=2, expired=0),
+    }
+
+
+def test_keys_per_cap_counts_the_slot_names_of_each_keyed_cap(store: SlotStore, prefix: str) -> None:
+    # Given a keyed cap with three keys (one of them idle now), another with one, and a plain cap
+    keyed, other, plain = f"{prefix}keyed", f"{prefix}other", f"{prefix}plain"
+    for key in ("a", "b", "c"):
+        store.release(admit(store, {f"{keyed}:{key}": 2, plain: 5}, f"{prefix}t-{key}"))
+    admit(store, {f"{other}:x:y": 1}, f"{prefix}t-other")
+
+    # Then each keyed cap's distinct keys are counted, the plain cap is not a keyed one
+    counts = {cap: keys for cap, keys in store.keys_per_cap().items() if cap.startswith(prefix)}
+    assert counts == {keyed: 3, other: 1}
+
+    # and keys pruned are no longer counted
+    assert store.prune(f"{keyed}:") == [f"{keyed}:a", f"{keyed}:b", f"{keyed}:c"]
+    counts = {cap: keys for cap, keys in store.keys_per_cap().items() if cap.startswith(prefix)}
+    assert counts == {other: 1}
+
+
 # -- releasing for someone else ----------------------------------------------------
 
 
@@ -1385,6 +1429,33 @@ def test_waiting_lists_are_bounded(store: SlotStore, prefix: str) -> None:
     assert park(store, {slot: 1}, f"{prefix}w2", 5.0, max_waiters=2) == ParkOutcome.PARKED
     assert park(store, {slot: 1}, f"{prefix}w3", 6.0, max_waiters=2) == ParkOutcome.LIST_FULL
     assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}w1", f"{prefix}w2"]
+
+
+def test_a_waiting_list_bound_counts_waiting_and_dispatched_entries_until_claimed_or_forgotten(
+    store: SlotStore, prefix: str
+) -> None:
+    store = parking_store(store)
+    slot, other = f"{prefix}s", f"{prefix}o"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    admit(store, {other: 1}, f"{prefix}running-other")
+    # Given a list bound of 2, full (one of its waiters waits for another slot too)
+    assert park(store, {slot: 1}, f"{prefix}w1", 1.0, max_waiters=2) == ParkOutcome.PARKED
+    assert park(store, {slot: 1, other: 1}, f"{prefix}w2", 2.0, max_waiters=2) == ParkOutcome.PARKED
+    assert park(store, {slot: 1}, f"{prefix}w3", 3.0, max_waiters=2) == ParkOutcome.LIST_FULL
+    # When a waiter is forgotten, one more fits
+    assert store.forget(f"{prefix}w1", DISPATCH_LEASE)[0] == 1
+    assert park(store, {slot: 1}, f"{prefix}w3", 3.0, max_waiters=2) == ParkOutcome.PARKED
+    assert park(store, {slot: 1}, f"{prefix}w4", 4.0, max_waiters=2) == ParkOutcome.LIST_FULL
+    # A dispatched entry still counts until its copy claims it
+    _, [woken] = store.release_and_wake(running, DISPATCH_LEASE)
+    assert woken.task_id == f"{prefix}w3"
+    assert park(store, {slot: 1}, f"{prefix}w4", 4.0, max_waiters=2) == ParkOutcome.LIST_FULL
+    assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert park(store, {slot: 1}, f"{prefix}w4", 4.0, max_waiters=2) == ParkOutcome.PARKED
+    # and the other slot's list counts only its own waiter
+    assert park(store, {other: 1}, f"{prefix}w5", 5.0, max_waiters=2) == ParkOutcome.PARKED
+    assert park(store, {other: 1}, f"{prefix}w6", 6.0, max_waiters=2) == ParkOutcome.LIST_FULL
+    assert [w.task_id for w in store.waiters(slot)] == [f"{prefix}w2", f"{prefix}w4"]
 
 
 def test_waiters_past_the_maximum_wait_are_readmitted_and_leave_the_list_when_their_copy_claims(

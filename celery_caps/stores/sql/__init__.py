@@ -2,7 +2,7 @@
 
 Where to look:
 
-* :mod:`.schema`: the three tables (``metadata`` for your own migrations);
+* :mod:`.schema`: the four tables (``metadata`` for your own migrations);
 * :mod:`.statements`: every SQL statement, by name;
 * :mod:`.dialects`: what differs between the databases, and their engines' options;
 * :mod:`.leases`: admission, renewal, release and the operators' reads, in portable SQL;
@@ -22,6 +22,7 @@ from .schema import (
     concurrency_slots,
     concurrency_slots_history,
     concurrency_waiters,
+    concurrency_waitlists,
     metadata,
 )
 from .waitlist import SQLStore
@@ -34,6 +35,7 @@ __all__ = [
     "concurrency_slots",
     "concurrency_slots_history",
     "concurrency_waiters",
+    "concurrency_waitlists",
     "metadata",
     "sql_store",
 ]

@@ -20,6 +20,9 @@ from sqlalchemy.engine import Connection, Engine
 from ...errors import ConfigurationError, MissingDependencyError
 from ..base import mask_url
 
+#: Execution option of a connection whose transactions only read (SQLite: a deferred BEGIN).
+READ_ONLY_OPTION = "caps_read_only"
+
 #: The drivers the SQL store is tested with, by backend (a URL naming another is told about them).
 TESTED_DRIVERS = {"postgresql": "psycopg", "mysql": "pymysql", "mariadb": "pymysql", "sqlite": "pysqlite"}
 
@@ -39,6 +42,8 @@ class Dialect:
     for_update: str
     #: The same, skipping rows another transaction holds (never waiting out of slot order).
     for_update_skip_locked: str
+    #: The cap of a keyed slot name ``slot`` (the part before its first ``:``).
+    cap_of_slot: str
     #: Driver error codes worth a second try of the whole transaction (MySQL deadlocks, lock waits).
     retryable_codes: frozenset[Any] = frozenset()
     #: Whether a single statement runs in autocommit (no BEGIN and COMMIT round trips around it).
@@ -68,6 +73,7 @@ POSTGRESQL = Dialect(
     ),
     for_update=" FOR UPDATE",
     for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
+    cap_of_slot="split_part(slot, ':', 1)",
     autocommit_single_statements=True,
 )
 
@@ -87,6 +93,7 @@ MYSQL = Dialect(
     ),
     for_update=" FOR UPDATE",
     for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
+    cap_of_slot="SUBSTRING_INDEX(slot, ':', 1)",
     retryable_codes=frozenset({1213, 1205}),  # deadlock; lock wait timeout
 )
 
@@ -106,6 +113,7 @@ SQLITE = Dialect(
     ),
     for_update="",
     for_update_skip_locked="",
+    cap_of_slot="substr(slot, 1, instr(slot, ':') - 1)",
 )
 
 _DIALECTS = {"postgresql": POSTGRESQL, "mysql": MYSQL, "mariadb": MYSQL, "sqlite": SQLITE}
@@ -198,4 +206,7 @@ def _serialise_sqlite_writers(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # A read-only transaction (the operators' reads, the sweep's count of keys) takes no lock
+        # until it reads, and then only a snapshot: writers go on meanwhile.
+        read_only = connection.get_execution_options().get(READ_ONLY_OPTION, False)
+        connection.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")

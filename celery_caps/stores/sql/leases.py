@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from ..base import Admission, HistoryEvent, Lease, SlotStatus, SlotStore
-from .dialects import create_engine, dialect_of
+from .dialects import READ_ONLY_OPTION, create_engine, dialect_of
 from .schema import MAX_TASK_NAME_LENGTH, TABLE_NAME, concurrency_slots_history, metadata
 from .statements import Statements, admission_params, like_prefix
 
@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 ATTEMPTS = 3
 #: Names bound to one ``IN`` list at most.
 BATCH = 500
+#: Expired rows the sweep deletes per transaction.
+SWEEP_BATCH = 1000
 _SCHEMA_ATTEMPTS = 5
 
 _T = TypeVar("_T")
@@ -75,6 +77,8 @@ class SQLLeaseStore(SlotStore):
             if self.dialect.autocommit_single_statements
             else self._engine
         )
+        # Reads alone: SQLite begins them deferred (in WAL a reader never takes the write lock).
+        self._read_engine = self._single_statement_engine.execution_options(**{READ_ONLY_OPTION: True})
 
     @property
     def engine(self) -> Engine:
@@ -133,15 +137,19 @@ class SQLLeaseStore(SlotStore):
                     self.create_schema()
                 self._schema_ready = True
 
-    def _transaction(self, work: Callable[[Connection], _T], *, single_statement: bool = False) -> _T:
+    def _transaction(
+        self, work: Callable[[Connection], _T], *, single_statement: bool = False, read_only: bool = False
+    ) -> _T:
         """Run ``work`` in one transaction (a single statement in autocommit where the dialect
-        allows it); a transaction a deadlock ended is tried again (:data:`ATTEMPTS`)."""
+        allows it; ``read_only``: reads only, which on SQLite take no write lock); a transaction a
+        deadlock ended is tried again (:data:`ATTEMPTS`)."""
         if not self._schema_ready:
             self._prepare()
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                if single_statement:
-                    with self._single_statement_engine.connect() as connection:
+                if single_statement or read_only:
+                    engine = self._read_engine if read_only else self._single_statement_engine
+                    with engine.connect() as connection:
                         result = work(connection)
                         connection.commit()  # a no-op in autocommit; ends SQLite/MySQL transactions
                         return result
@@ -234,12 +242,48 @@ class SQLLeaseStore(SlotStore):
         return self._delete("release_task", {"task_id": task_id})
 
     def sweep(self) -> int:
-        def sweep(connection: Connection) -> int:
-            deleted = int(connection.execute(self.statements["sweep"]).rowcount)
-            connection.execute(self.statements["sweep_tombstones"])
-            return deleted
+        statements = self.statements
 
-        return self._transaction(sweep)
+        def batch(connection: Connection) -> tuple[int, bool]:
+            """At most :data:`SWEEP_BATCH` expired leases and as many old tombstones, by the store's
+            clock read once (a clock read per row could use no index): the leases deleted, and
+            whether more may be left."""
+            now = connection.execute(statements["now"]).scalar_one()
+            params = {"now": now, "batch": SWEEP_BATCH}
+            deleted, more = 0, False
+            for find, delete, name in (
+                ("expired_runs", "sweep", "run_ids"),
+                ("old_tombstones", "sweep_tombstones", "task_ids"),
+            ):
+                rows = connection.execute(statements[find], params).all()
+                if rows:
+                    found = sorted({row[0] for row in rows})
+                    count = int(connection.execute(statements[delete], {**params, name: found}).rowcount)
+                    more = more or len(rows) >= SWEEP_BATCH
+                    if name == "run_ids":
+                        deleted = count
+            return deleted, more
+
+        def anything_expired(connection: Connection) -> bool:
+            now, lease, tombstone = connection.execute(statements["next_expiries"]).one()
+            return any(expiry is not None and expiry <= now for expiry in (lease, tombstone))
+
+        if not self._transaction(anything_expired, read_only=True):
+            return 0
+        total, more = 0, True
+        while more:
+            deleted, more = self._transaction(batch)
+            total += deleted
+        return total
+
+    def keys_per_cap(self) -> dict[str, int]:
+        pattern = {"pattern": self.dialect.exact("%:%")}
+
+        def read(connection: Connection) -> dict[str, int]:
+            rows = connection.execute(self.statements["keys_per_cap"], pattern)
+            return {as_text(cap): int(keys) for cap, keys in rows}
+
+        return self._transaction(read, read_only=True)
 
     # -- operators ----------------------------------------------------------------------------
 
@@ -250,7 +294,7 @@ class SQLLeaseStore(SlotStore):
                 for slot, limit, holders, expired in connection.execute(self.statements["status"])
             ]
 
-        return self._transaction(read, single_statement=True)
+        return self._transaction(read, read_only=True)
 
     def leases(self, slot: str | None = None) -> list[Lease]:
         statement, params = ("leases_all", {}) if slot is None else ("leases_of_slot", {"slot": slot})
@@ -270,7 +314,7 @@ class SQLLeaseStore(SlotStore):
                 for name, task_id, run_id, holder, expires_in, task_name, age in rows
             ]
 
-        return self._transaction(read, single_statement=True)
+        return self._transaction(read, read_only=True)
 
     def prune(self, prefix: str, *, dry_run: bool = False) -> list[str]:
         # MySQL's name columns are VARBINARY: match bytes.
@@ -291,6 +335,7 @@ class SQLLeaseStore(SlotStore):
                 for start in range(0, len(doomed), BATCH):
                     batch = doomed[start : start + BATCH]
                     connection.execute(statements["prune_delete"], {"slots": batch})
+                    connection.execute(statements["prune_waitlists"], {"slots": batch})
                     # A tombstone of a task that needed a pruned slot goes whole.
                     tombstones = self._names(connection, "prune_tombstones", "slots", batch)
                     if tombstones:
@@ -366,7 +411,7 @@ class SQLLeaseStore(SlotStore):
                 )
             ]
 
-        return self._transaction(read, single_statement=True)
+        return self._transaction(read, read_only=True)
 
     # -- life cycle ---------------------------------------------------------------------------
 

@@ -137,12 +137,9 @@ BEGIN
     IF p_payload IS NULL THEN
         RETURN 'full';
     END IF;
+    -- The lists' lengths, as counted in concurrency_waitlists (never the lists themselves).
     IF EXISTS (
-        SELECT 1 FROM unnest(p_slots) AS u(slot)
-        WHERE (SELECT count(*) FROM (
-                  SELECT 1 FROM concurrency_waiters w
-                  WHERE w.slot = u.slot AND w.done_until IS NULL LIMIT p_max_waiters) n
-              ) >= p_max_waiters)
+        SELECT 1 FROM concurrency_waitlists n WHERE n.slot = ANY(p_slots) AND n.entries >= p_max_waiters)
     THEN
         RETURN 'waitlist_full';
     END IF;
@@ -155,14 +152,11 @@ BEGIN
     SELECT u.slot, p_task_id, u.slot_limit, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_payload,
         v_dispatches
     FROM unnest(p_slots, p_limits) AS u(slot, slot_limit);
+    -- The lists' counts last: only parks add to them, under the sentinels' locks.
+    INSERT INTO concurrency_waitlists (slot, entries) SELECT u.slot, 1 FROM unnest(p_slots) AS u(slot)
+    ON CONFLICT (slot) DO UPDATE SET entries = concurrency_waitlists.entries + 1;
     RETURN 'parked';
 END $$
-;
-
--- A waiter of several slots makes a release look for its other slots: this partial index finds
--- the (rare) waiters of several slots of a slot at once, where the list's own index would walk
--- every waiter of the slot.
-CREATE INDEX IF NOT EXISTS ix_concurrency_waiters_several ON concurrency_waiters (slot) WHERE slot_count > 1
 ;
 
 -- The wake of the waiters that slots p_released (their leases just deleted, or expired) can now
@@ -360,17 +354,23 @@ END $$
 
 -- A claimed entry leaves the list: a tombstone of p_holder's claim until p_done_until if it was
 -- dispatched p_minimum times or more (copies of its other dispatches may be on their way; 0:
--- always), else deleted.
+-- always), else deleted.  Its slots' list counts go down by one, last (see concurrency_waitlists).
 CREATE OR REPLACE FUNCTION concurrency_waiters_settle(
     p_task_id text, p_run_id text, p_holder text, p_done_until double precision, p_minimum integer
 ) RETURNS void LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
-    UPDATE concurrency_waiters w SET done_until = p_done_until, claimed_by = p_holder
-    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
-        AND w.dispatches >= p_minimum;
-    DELETE FROM concurrency_waiters w
-    WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
-        AND w.dispatches < p_minimum;
+    WITH kept AS (
+        UPDATE concurrency_waiters w SET done_until = p_done_until, claimed_by = p_holder
+        WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
+            AND w.dispatches >= p_minimum
+        RETURNING w.slot),
+    gone AS (
+        DELETE FROM concurrency_waiters w
+        WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
+            AND w.dispatches < p_minimum
+        RETURNING w.slot)
+    UPDATE concurrency_waitlists n SET entries = n.entries - 1
+    WHERE n.slot IN (SELECT kept.slot FROM kept UNION ALL SELECT gone.slot FROM gone);
 END $$
 ;
 

@@ -1,4 +1,4 @@
-"""The SQL store's schema: three tables, one version.
+"""The SQL store's schema: four tables, one version.
 
 * ``concurrency_slots``: a **sentinel** row per slot name (``run_id = ''``, ``expires_at``
   NULL, the last limit seen in ``slot_limit``), never deleted by the sweep, which admission
@@ -10,6 +10,10 @@
   slot it needs (its payload, first-deferral time, how many times it was dispatched, and while
   dispatched the run id and deadline of its dispatch; a tombstone has ``done_until`` set, keeps
   its dispatch's run id and, if a claim made it, the claiming holder).
+* ``concurrency_waitlists``: how many entries (waiting or dispatched) each slot's list holds, so
+  that a park checks ``caps_park_max_waiters`` without counting the list.  Parks add to it under
+  the slot's sentinel lock; the steps that take entries off the list (a claim, a forget) take
+  from it as their last statement, so that no transaction holding its row waits for another.
 * ``concurrency_slots_history``: an optional, bounded record of put-backs and finished runs
   for ``celery caps explain`` and ``timeline``, written in batches off the admission path.
 
@@ -61,6 +65,9 @@ concurrency_slots = sa.Table(
     # independent of how many slot names exist.
     sa.Index("ix_concurrency_slots_slot_expiry", "slot", "expires_at", "task_id"),
     sa.Index("ix_concurrency_slots_task_id", "task_id"),
+    # The sweep deletes what expired: it reads this index from its start to ``now``, never the
+    # live leases nor the sentinels (whose expiry is NULL).
+    sa.Index("ix_concurrency_slots_expires_at", "expires_at"),
 )
 
 HISTORY_TABLE_NAME = "concurrency_slots_history"
@@ -106,5 +113,42 @@ concurrency_waiters = sa.Table(
     sa.Column("done_until", sa.Double(), nullable=True, comment="a tombstone until then (store-clock epoch seconds)"),
     sa.Column("claimed_by", sa.String(255), nullable=True, comment="a claim's tombstone: the holder that claimed"),
     sa.Index("ix_concurrency_waiters_task_id", "task_id"),
-    sa.Index("ix_concurrency_waiters_order", "slot", "first_deferred_at", "parked_at"),
+    # A slot's waiters in their order (a release reads the first few).
+    sa.Index("ix_concurrency_waiters_order", "slot", "first_deferred_at", "parked_at", "task_id"),
+    # The (rare) waiters of several slots of a slot, which make a release lock their other slots:
+    # found without walking the slot's list (partial where the database has partial indexes).
+    sa.Index(
+        "ix_concurrency_waiters_several",
+        "slot",
+        "slot_count",
+        postgresql_where=sa.text("slot_count > 1"),
+        sqlite_where=sa.text("slot_count > 1"),
+    ),
+    # Recovery's: whether a slot's waiters include one parked with a limit above its holders
+    # (room for it), and the oldest waiter (whether any is past the maximum wait).
+    sa.Index("ix_concurrency_waiters_limit", "slot", "slot_limit"),
+    sa.Index("ix_concurrency_waiters_first_deferred", "first_deferred_at"),
+    # The sweep's and recovery's passes read only what is due: old tombstones, dispatches past
+    # their deadline (NULL on most rows: partial where possible).
+    sa.Index(
+        "ix_concurrency_waiters_done_until",
+        "done_until",
+        postgresql_where=sa.text("done_until IS NOT NULL"),
+        sqlite_where=sa.text("done_until IS NOT NULL"),
+    ),
+    sa.Index(
+        "ix_concurrency_waiters_dispatch_expiry",
+        "dispatch_expires_at",
+        postgresql_where=sa.text("dispatch_expires_at IS NOT NULL"),
+        sqlite_where=sa.text("dispatch_expires_at IS NOT NULL"),
+    ),
+)
+
+WAITLISTS_TABLE_NAME = "concurrency_waitlists"
+
+concurrency_waitlists = sa.Table(
+    WAITLISTS_TABLE_NAME,
+    metadata,
+    sa.Column("slot", _exact_text(MAX_SLOT_LENGTH), primary_key=True),
+    sa.Column("entries", sa.Integer(), nullable=False, comment="entries of the slot's list not yet settled"),
 )

@@ -46,9 +46,37 @@ TEMPLATES: dict[str, str] = {
     "release_run": "DELETE FROM concurrency_slots WHERE run_id = :run_id",
     "release_holder": "DELETE FROM concurrency_slots WHERE task_id = :task_id AND holder = :holder AND run_id <> ''",
     "release_task": "DELETE FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''",
+    # The sweep, a batch at a time, each in its own transaction: the store's clock read once
+    # (a volatile clock compared per row could use no index), the expired rows found through the
+    # expiry's index, then deleted if still expired (a run admitted again replaces its row).
     # Sentinels have a NULL expiry, which no comparison matches: the sweep keeps them.
-    "sweep": "DELETE FROM concurrency_slots WHERE expires_at <= {now}",
-    "sweep_tombstones": "DELETE FROM concurrency_waiters WHERE done_until <= {now}",
+    "now": "SELECT {now}",
+    "expired_runs": ("SELECT run_id FROM concurrency_slots WHERE expires_at <= :now ORDER BY expires_at LIMIT :batch"),
+    "sweep": "DELETE FROM concurrency_slots WHERE run_id IN :run_ids AND expires_at <= :now",
+    # Whether the sweep has anything to do, read first (so that a sweep with nothing to do takes
+    # no write lock: on SQLite, the whole database's): the clock, the earliest lease expiry and
+    # the earliest end of a tombstone, each the first entry of its index (no parameter: a plan
+    # cached for a parameter could scan instead).
+    "next_expiries": (
+        "SELECT {now}, "
+        "(SELECT expires_at FROM concurrency_slots WHERE expires_at IS NOT NULL ORDER BY expires_at LIMIT 1), "
+        "(SELECT done_until FROM concurrency_waiters WHERE done_until IS NOT NULL ORDER BY done_until LIMIT 1)"
+    ),
+    # The clock and the earliest deadline of a dispatch (recovery returns the expired ones).
+    "next_dispatch_deadline": (
+        "SELECT {now}, (SELECT dispatch_expires_at FROM concurrency_waiters WHERE dispatch_expires_at IS NOT NULL "
+        "AND done_until IS NULL ORDER BY dispatch_expires_at LIMIT 1)"
+    ),
+    "old_tombstones": (
+        "SELECT task_id FROM concurrency_waiters WHERE done_until <= :now ORDER BY done_until LIMIT :batch"
+    ),
+    "sweep_tombstones": "DELETE FROM concurrency_waiters WHERE task_id IN :task_ids AND done_until <= :now",
+    # Keys per keyed cap (slot names ``cap:key``): the sentinels, read from the primary key's
+    # range of run id '' (a plain read: it locks nothing).
+    "keys_per_cap": (
+        "SELECT {cap_of_slot}, COUNT(*) FROM concurrency_slots WHERE run_id = '' AND slot LIKE :pattern "
+        "GROUP BY {cap_of_slot}"
+    ),
     "status": (
         "SELECT s.slot, s.slot_limit, "
         "(SELECT COUNT(DISTINCT l.task_id) FROM concurrency_slots l WHERE l.slot = s.slot AND l.expires_at > {now}), "
@@ -78,6 +106,7 @@ TEMPLATES: dict[str, str] = {
     ),
     "prune_waited": "SELECT DISTINCT slot FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL",
     "prune_delete": "DELETE FROM concurrency_slots WHERE slot IN :slots",
+    "prune_waitlists": "DELETE FROM concurrency_waitlists WHERE slot IN :slots",
     "prune_tombstones": (
         "SELECT DISTINCT task_id FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NOT NULL"
     ),
@@ -91,9 +120,17 @@ TEMPLATES: dict[str, str] = {
     # dispatched by a later release or by recovery.
     "lock_more": "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot IN :slots ORDER BY slot{skip_locked}",
     "task_listed": "SELECT 1 FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NULL",
-    # Entries (waiting or dispatched, not tombstones) per slot of :slots.
-    "listed_per_slot": (
-        "SELECT slot, COUNT(*) FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL GROUP BY slot"
+    # Entries (waiting or dispatched, not tombstones) per slot of :slots, as counted in
+    # concurrency_waitlists: a park adds its entry under the slots' sentinel locks (parks are the
+    # only steps that add, so "update, then insert the missing counts" races with none); a step
+    # that takes an entry off the list subtracts it as its last statement.
+    "listed_per_slot": "SELECT slot, entries FROM concurrency_waitlists WHERE slot IN :slots",
+    "list_entry": "UPDATE concurrency_waitlists SET entries = entries + 1 WHERE slot IN :slots",
+    "unlist_entry": "UPDATE concurrency_waitlists SET entries = entries - 1 WHERE slot IN :slots",
+    # The slots of the entry a claim settles (locked: the rows it changes).
+    "settling_slots": (
+        "SELECT slot FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id = :run_id "
+        "AND done_until IS NULL{for_update}"
     ),
     # A task parking again: its tombstone gives way, and its count of dispatches lives on.
     "tombstone_dispatches": (
@@ -124,23 +161,36 @@ TEMPLATES: dict[str, str] = {
         "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_id IN "
         "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL)"
     ),
-    # Every slot of every waiting task that waits for one of :slots (to lock them all, in order).
-    "waiting_slots": (
+    # Every slot of every waiting task that waits for one of :slots (to lock them all, in order),
+    # in two reads that each cost what they find, however long the lists: the slots of :slots
+    # with a waiting entry (a look at the first rows of each list), and every slot of the (rare)
+    # waiters of several slots (ix_concurrency_waiters_several).
+    "slots_waited_for": (
+        "SELECT s.slot FROM concurrency_slots s WHERE s.run_id = '' AND s.slot IN :slots AND EXISTS "
+        "(SELECT 1 FROM concurrency_waiters w WHERE w.slot = s.slot AND w.dispatch_run_id IS NULL)"
+    ),
+    "several_waiting_slots": (
         "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN "
-        "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND dispatch_run_id IS NULL)"
+        "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND slot_count > 1 "
+        "AND dispatch_run_id IS NULL)"
     ),
     # The slots (of :slots, or any) with waiting entries where a waiter may fit: fewer live
     # holders than the highest limit its waiters were parked with (read without locks: recovery
     # locks these).
+    # (A slot with a list, whose waiting entries include one parked with a limit above its live
+    # holders: one row per slot with a list, and ix_concurrency_waiters_limit finds such an entry
+    # without walking the list.)
     "slots_with_room": (
-        "SELECT w.slot FROM concurrency_waiters w WHERE w.dispatch_run_id IS NULL AND w.slot IN :slots "
-        "GROUP BY w.slot HAVING (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
-        "WHERE c.slot = w.slot AND c.expires_at > {now}) < MAX(w.slot_limit)"
+        "SELECT n.slot FROM concurrency_waitlists n WHERE n.slot IN :slots AND n.entries > 0 AND EXISTS ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL "
+        "AND w.slot_limit > (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
+        "WHERE c.slot = n.slot AND c.expires_at > {now}))"
     ),
     "all_slots_with_room": (
-        "SELECT w.slot FROM concurrency_waiters w WHERE w.dispatch_run_id IS NULL "
-        "GROUP BY w.slot HAVING (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
-        "WHERE c.slot = w.slot AND c.expires_at > {now}) < MAX(w.slot_limit)"
+        "SELECT n.slot FROM concurrency_waitlists n WHERE n.entries > 0 AND EXISTS ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL "
+        "AND w.slot_limit > (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
+        "WHERE c.slot = n.slot AND c.expires_at > {now}))"
     ),
     # The waiters of :slots in their order, a batch at a time (keyset: from the row ordered at
     # :first/:parked/:task_id on).  Every row of one waiter has the same order key, so a waiter's
@@ -182,13 +232,14 @@ TEMPLATES: dict[str, str] = {
         "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds "
         "WHERE task_id = :task_id AND dispatch_run_id = :run_id AND done_until IS NULL"
     ),
+    # (:now: the store's clock read once, so that the deadline's index is used.)
     "expired_dispatches": (
         "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
-        "WHERE dispatch_expires_at <= {now} AND done_until IS NULL ORDER BY task_id"
+        "WHERE dispatch_expires_at <= :now AND done_until IS NULL ORDER BY task_id"
     ),
     "expired_dispatches_of": (
         "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
-        "WHERE dispatch_expires_at <= {now} AND done_until IS NULL "
+        "WHERE dispatch_expires_at <= :now AND done_until IS NULL "
         "AND task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots) ORDER BY task_id"
     ),
     "undispatch": (
@@ -198,6 +249,12 @@ TEMPLATES: dict[str, str] = {
     # A dispatch's leases, never a run's (a claimed lease's holder is its run's).
     "delete_dispatch_leases": (
         f"DELETE FROM concurrency_slots WHERE run_id = :run_id AND task_id = :task_id AND holder = '{DISPATCH_HOLDER}'"
+    ),
+    # The earliest first deferral of a waiting entry (recovery reads the overdue ones only if it
+    # is before :before).
+    "first_waiting_since": (
+        "SELECT first_deferred_at FROM concurrency_waiters WHERE dispatch_run_id IS NULL "
+        "ORDER BY first_deferred_at LIMIT 1"
     ),
     # Waiting entries to dispatch without leases, oldest first: first deferred before :before.
     "overdue": (
@@ -242,7 +299,10 @@ class Statements:
     def _compile(self, template: str) -> sa.TextClause:
         dialect = self.dialect
         text = template.format(
-            now=dialect.now, for_update=dialect.for_update, skip_locked=dialect.for_update_skip_locked
+            now=dialect.now,
+            for_update=dialect.for_update,
+            skip_locked=dialect.for_update_skip_locked,
+            cap_of_slot=dialect.cap_of_slot,
         )
         statement = sa.text(text)
         for name in _LISTS:

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 from ...errors import StoreError
 from ..base import DISPATCH_HOLDER, ClaimOutcome, ParkingStore, ParkOutcome, ParkRequest, Waiter, Woken
 from .leases import BATCH, SQLLeaseStore, _cut, as_text
-from .schema import concurrency_waiters
+from .schema import concurrency_waiters, concurrency_waitlists
 from .statements import admission_params, like_prefix
 
 #: Waiter rows read per batch when a release looks for waiters to dispatch.
@@ -57,8 +57,11 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 return ParkOutcome.ADMITTED
             if request.payload is None:
                 return ParkOutcome.FULL
-            listed = connection.execute(statements["listed_per_slot"], {"slots": ordered}).all()
-            if any(entries >= request.max_waiters for _slot, entries in listed):
+            listed = {
+                as_text(slot): int(entries)
+                for slot, entries in connection.execute(statements["listed_per_slot"], {"slots": ordered})
+            }
+            if any(entries >= request.max_waiters for entries in listed.values()):
                 return ParkOutcome.LIST_FULL
             dispatches = connection.execute(statements["tombstone_dispatches"], params).scalar() or 0
             connection.execute(statements["delete_tombstone"], params)
@@ -78,6 +81,13 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 for slot in ordered
             ]
             connection.execute(concurrency_waiters.insert().values(rows))
+            # The lists' counts last (see listed_per_slot).
+            counted = [slot for slot in ordered if slot in listed]
+            if counted:
+                connection.execute(statements["list_entry"], {"slots": counted})
+            uncounted = [{"slot": self.dialect.exact(slot), "entries": 1} for slot in ordered if slot not in listed]
+            if uncounted:
+                connection.execute(concurrency_waitlists.insert(), uncounted)
             return ParkOutcome.PARKED
 
         return self._transaction(park)
@@ -168,6 +178,14 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         rows = connection.execute(self.statements["lock"], {"slots": sorted(slots)})
         return sorted(as_text(row[0]) for row in rows)
 
+    def _waiting_slots(self, connection: Connection, slots: Collection[str]) -> set[str]:
+        """Every slot of every waiting task that waits for one of ``slots``: those of ``slots``
+        with a waiting entry, and every slot of their waiters of several slots."""
+        waited = self._names(connection, "slots_waited_for", "slots", slots)
+        if not waited:
+            return waited
+        return waited | self._names(connection, "several_waiting_slots", "slots", waited)
+
     def _wake_after_release(
         self, connection: Connection, released: list[str], dispatch_lease_seconds: float
     ) -> list[Woken]:
@@ -176,7 +194,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         # Lock the released slots first: a park that counted them full has committed by then,
         # so its waiter is seen here.
         locked = self._lock_existing(connection, set(released))
-        waiting = self._names(connection, "waiting_slots", "slots", locked)
+        waiting = self._waiting_slots(connection, locked)
         more = sorted(waiting - set(locked))
         if more:
             locked += [as_text(row[0]) for row in connection.execute(self.statements["lock_more"], {"slots": more})]
@@ -230,8 +248,11 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             """The entry dispatched to this run leaves the list: a tombstone if dispatched more than
             once (copies of its other dispatches may be on their way), or ``tombstone``."""
             minimum = {**params, "minimum": 0 if tombstone else 2}
-            connection.execute(statements["settle_tombstone"], minimum)
-            connection.execute(statements["settle_delete"], minimum)
+            slots = sorted({as_text(row[0]) for row in connection.execute(statements["settling_slots"], params)})
+            settled = connection.execute(statements["settle_tombstone"], minimum).rowcount
+            settled += connection.execute(statements["settle_delete"], minimum).rowcount
+            if settled and slots:
+                connection.execute(statements["unlist_entry"], {"slots": slots})
 
         def claim(connection: Connection) -> ClaimOutcome:
             # The dispatch's leases (locked), then the entry: the order of every step that changes both.
@@ -281,11 +302,15 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 if not rows or rows[0][1] is not None:
                     return 0, woken  # no entry, or a tombstone
                 dispatch_run_id = rows[0][0]
+                # (An entry's slots never change: it is made whole by one park.)
+                slots = {"slots": sorted({as_text(row[3]) for row in rows})}
                 if dispatch_run_id is None:
                     if connection.execute(statements["delete_waiting"], params).rowcount:
+                        connection.execute(statements["unlist_entry"], slots)
                         return 1, woken
                     continue
                 if connection.execute(statements["tombstone"], {**params, "run_id": dispatch_run_id}).rowcount:
+                    connection.execute(statements["unlist_entry"], slots)
                     return 1, woken
             raise StoreError(f"forget failed on {self.display_url}: the entry of {task_id!r} kept changing")
 
@@ -319,12 +344,17 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             # claim takes them, one dispatch after the other in task order (so concurrent
             # recoveries never wait for each other in a circle).
             expired = statements["expired_dispatches" if caps is None else "expired_dispatches_of"]
-            for task_id, dispatch_run_id in connection.execute(expired, of_slots).all():
+            now, deadline = connection.execute(statements["next_dispatch_deadline"]).one()
+            due: Sequence[Any] = []
+            if deadline is not None and deadline <= now:
+                due = connection.execute(expired, {**of_slots, "now": now}).all()
+            for task_id, dispatch_run_id in due:
                 dispatch = {"task_id": task_id, "run_id": dispatch_run_id}
                 connection.execute(statements["delete_dispatch_leases"], dispatch)
                 connection.execute(statements["undispatch"], dispatch)
             overdue: list[str] = []
-            if readmit_before is not None:
+            first = None if readmit_before is None else connection.execute(statements["first_waiting_since"]).scalar()
+            if readmit_before is not None and first is not None and first < readmit_before:
                 statement = statements["overdue" if caps is None else "overdue_of"]
                 rows = connection.execute(statement, {"before": readmit_before, **of_slots})
                 overdue = [as_text(row[0]) for row in rows]
@@ -335,7 +365,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 room = {as_text(row[0]) for row in connection.execute(statements["all_slots_with_room"])}
             else:
                 room = self._names(connection, "slots_with_room", "slots", considered)
-            walked = room | self._names(connection, "waiting_slots", "slots", room)
+            walked = room | self._waiting_slots(connection, room)
             # Every sentinel at once, in slot order: readmits and dispatches change waiting entries
             # only under the locks of their slots, as a release's dispatches do.
             overdue_slots = self._names(connection, "slots_of_tasks", "task_ids", overdue)
@@ -377,4 +407,4 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 )
             return result
 
-        return self._transaction(read, single_statement=True)
+        return self._transaction(read, read_only=True)

@@ -1,0 +1,338 @@
+"""Part 5: growth curves, per store: what a step costs as the work grows (issue 27).
+
+For each store (SQLite, PostgreSQL, MariaDB, Redis), one client, medians:
+
+* a waiting list of 100, 10,000 and 100,000 waiters on one slot (limit 1): the hand-over
+  (``release_and_wake`` of the holder: the oldest waiter is dispatched, then claims the slot and
+  holds it for the next hand-over) and a park at the end of the list;
+* 10, 10,000 and 100,000 keyed slot names, each with a live lease: the sweep with nothing
+  expired, the beat's whole work (:func:`celery_caps.sweep.sweep_store`), and what another client
+  waits meanwhile: the longest acquire+release of a client on its own slot while the beat's work
+  runs over and over, next to the same client's longest with no beat (same duration);
+* 1, 2, 4 and 8 clients on distinct keys at 100,000 slot names: acquire+release pairs per second.
+
+Ratios are against the smallest size measured in the same run.  The lists and key sets are
+filled in bulk with the store's own rows (SQL) or through the store (Redis).  SQL stores get
+databases of their own (named after the run), dropped at the end.  PostgreSQL's tables are
+vacuumed before each point (autovacuum may be off on the server).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+
+from celery_caps.stores import SlotStore
+from celery_caps.stores.base import ParkingStore, ParkRequest
+from celery_caps.stores.sql import SQLStore
+from celery_caps.sweep import sweep_store
+
+from .clients import ClientPool, Job, Outcome, StoreTarget, populate_slot_names, store_targets
+from .common import Figure, Options, Report, at_most, median, ms, percentile, ratio
+
+PART = "growth"
+WAITLIST_SIZES = (100, 10_000, 100_000)
+KEY_SIZES = (10, 10_000, 100_000)
+CLIENTS = (1, 2, 4, 8)
+#: Hand-over cycles run before each list size's measured ones.
+WARM_UP_CYCLES = 5
+#: The beat's threshold of keys per cap (the setting's default).
+KEY_WARNING_THRESHOLD = 1000
+#: Pause between two runs of the beat's work while another client is watched (a real beat runs
+#: it once a minute; this is many runs under one measurement).
+BEAT_PAUSE_SECONDS = 0.05
+#: What the issue measured before (0dbc7ea), milliseconds, for the "versus" column.
+BEFORE = {
+    "hand-over": {"postgresql": "0.33 → 0.37 → 0.39", "redis": "0.24 flat", "mariadb": "3.0 → 11 → 87",
+                  "sqlite": "0.62 → 6.1 → 58"},
+    "park": {"postgresql": "0.41 → 1.15 → 7.2", "redis": "0.17 flat", "mariadb": "1.4 → 3.0 → 16",
+             "sqlite": "0.42 → 1.3 → 9.2"},
+    "sweep": {"postgresql": "0.24 → 46", "redis": "0.04 flat", "mariadb": "0.28 → 67", "sqlite": "0.06 → 7.8"},
+    "status": {"postgresql": "629", "redis": "951 (server blocked ~0.46 s)", "mariadb": "451",
+               "sqlite": "267 (write lock held 0.33 s)"},
+}  # fmt: skip
+
+
+def run(report: Report, options: Options) -> None:
+    waitlist_sizes = WAITLIST_SIZES[:2] if options.quick else WAITLIST_SIZES
+    key_sizes = KEY_SIZES[:2] if options.quick else KEY_SIZES
+    targets, skipped = store_targets(options.stores, options.run_prefix + "g", options.tmp_dir, growth=True)
+    for note in skipped:
+        report.note(f"growth benchmarks skip {note}")
+    # The beat warns about the benchmark's 100,000 keys at each run: not worth a line each.
+    logging.getLogger("celery_caps.sweep").setLevel(logging.ERROR)
+    for target in targets:
+        try:
+            target.prepare()
+            measure_waitlist(report, options, target, waitlist_sizes)
+            measure_keys(report, options, target, key_sizes)
+        except Exception as exc:  # the next store still runs
+            report.note(f"growth benchmarks on {target.name} failed: {type(exc).__name__}: {str(exc)[:300]}")
+            options.log(f"[growth] {target.name}: FAILED: {type(exc).__name__}: {str(exc)[:300]}")
+        finally:
+            target.cleanup()
+            target.drop_databases()
+
+
+# -- the waiting list -----------------------------------------------------------------------------
+
+
+def _timed(call: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = call(*args)
+    return time.perf_counter() - start, result
+
+
+def fill_waitlist(store: SlotStore, slot: str, count: int, first_from: float) -> None:
+    """``count`` waiters of ``slot`` (limit 1), first deferred at ``first_from``, +1, ...: the SQL
+    store's own rows in bulk (and its list count where the schema keeps one), parks on Redis."""
+    if isinstance(store, SQLStore):
+        from celery_caps.stores.sql import schema
+
+        waiters = schema.concurrency_waiters
+        exact = store.dialect.exact
+        with store.engine.begin() as connection:
+            now = connection.execute(sa.text(f"SELECT {store.dialect.now}")).scalar_one()
+            rows = [
+                {
+                    "slot": exact(slot),
+                    "task_id": exact(f"{slot}-w{i:07d}"),
+                    "slot_limit": 1,
+                    "slot_count": 1,
+                    "first_deferred_at": first_from + i,
+                    "parked_at": now,
+                    "task_name": "bench.waiter",
+                    "payload": b"payload",
+                    "dispatches": 0,
+                }
+                for i in range(count)
+            ]
+            for start in range(0, len(rows), 5000):
+                connection.execute(waiters.insert(), rows[start : start + 5000])
+            counts = schema.metadata.tables.get("concurrency_waitlists")
+            if counts is not None:
+                connection.execute(counts.insert(), [{"slot": exact(slot), "entries": count}])
+        return
+    assert isinstance(store, ParkingStore)
+    for i in range(count):
+        request = ParkRequest(
+            {slot: 1}, f"{slot}-w{i:07d}", uuid.uuid4().hex, "bench", 60.0, first_from + i, 10**9,
+            "bench.waiter", b"payload",
+        )  # fmt: skip
+        store.park(request)
+
+
+def measure_waitlist(report: Report, options: Options, target: StoreTarget, sizes: tuple[int, ...]) -> None:
+    samples = 40 if options.quick else 150
+    hand_over: dict[int, list[float]] = {}
+    parks: dict[int, list[float]] = {}
+    claims: dict[int, list[float]] = {}
+    store = target.open("waiters")
+    assert isinstance(store, ParkingStore)
+    try:
+        for size in sizes:
+            slot = f"{target.run_prefix}-wl{size}"
+            holder = uuid.uuid4().hex
+            store.acquire({slot: 1}, f"{slot}-holder", holder, "bench", 600.0)
+            options.log(f"[growth] {target.name}: filling a list of {size:,}")
+            fill_waitlist(store, slot, size, 1000.0)
+            target.vacuum_store("waiters")
+            hand_over[size], parks[size], claims[size] = [], [], []
+            for i in range(-WARM_UP_CYCLES, samples):
+                # (The first cycles are not counted: a new session compiles PostgreSQL's functions.)
+                seconds, (_deleted, woken) = _timed(store.release_and_wake, holder, 600.0)
+                hand_over[size].append(ms(seconds))
+                [dispatched] = woken
+                seconds, _outcome = _timed(store.claim, dispatched.task_id, dispatched.run_id, "bench", 600.0)
+                claims[size].append(ms(seconds))
+                holder = dispatched.run_id
+                request = ParkRequest(
+                    {slot: 1}, f"{slot}-late{i:05d}", uuid.uuid4().hex, "bench", 60.0, 1e9 + i, 10**9,
+                    "bench.waiter", b"payload",
+                )  # fmt: skip
+                seconds, _outcome = _timed(store.park, request)
+                parks[size].append(ms(seconds))
+                if i < 0:
+                    for values in (hand_over[size], claims[size], parks[size]):
+                        values.pop()
+            options.log(
+                f"[growth] {target.name}: {size:,} waiters: hand-over {median(hand_over[size]):.3f} ms, "
+                f"park {median(parks[size]):.3f} ms, claim {median(claims[size]):.3f} ms"
+            )
+    finally:
+        store.close()
+    smallest = sizes[0]
+    for what, values in (("hand-over", hand_over), ("park", parks), ("claim", claims)):
+        for size in sizes:
+            growth = ratio(median(values[size]), median(values[smallest]))
+            last = size == sizes[-1] and size != smallest
+            report.add(
+                Figure(
+                    PART,
+                    f"{target.name}: {what} p50, {size:,} waiters",
+                    median(values[size]),
+                    "ms",
+                    versus=f"{smallest:,} waiters {median(values[smallest]):.3f} ms"
+                    + (f"; before: {BEFORE[what][target.name]} ms" if what in BEFORE and last else ""),
+                    ratio=growth,
+                    target="ratio <= 2" if last and what != "claim" else "",
+                    met=at_most(growth, 2.0) if last and what != "claim" else None,
+                    repeats=values[size],
+                )
+            )
+
+
+# -- the key set ----------------------------------------------------------------------------------
+
+
+def _other_client(target: StoreTarget, slot: str, seconds: float, results: Any) -> None:
+    """Acquire and release one slot over and over for ``seconds``: each pair's milliseconds."""
+    store = target.open("keys")
+    try:
+        pairs: list[float] = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            run_id = uuid.uuid4().hex
+            start = time.perf_counter()
+            store.acquire({slot: 4}, run_id, run_id, "bench", 60.0)
+            store.release(run_id)
+            pairs.append(ms(time.perf_counter() - start))
+        results.put(pairs)
+    finally:
+        store.close()
+
+
+def _another_client(
+    target: StoreTarget, store: SlotStore, slot: str, seconds: float, beat: bool
+) -> tuple[list[float], int]:
+    """The other client's acquire+release pairs (ms) while the beat's work runs every
+    :data:`BEAT_PAUSE_SECONDS` (or not), and the beat's runs."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    process = context.Process(target=_other_client, args=(target, slot, seconds, results))
+    process.start()
+    runs = 0
+    deadline = time.monotonic() + seconds
+    time.sleep(0.2)  # the client connected and warm
+    while time.monotonic() < deadline - 0.1:
+        if beat:
+            sweep_store(store, KEY_WARNING_THRESHOLD)
+            runs += 1
+        time.sleep(BEAT_PAUSE_SECONDS)
+    pairs: list[float] = results.get(timeout=120)
+    process.join(timeout=10)
+    return pairs, runs
+
+
+def measure_keys(report: Report, options: Options, target: StoreTarget, sizes: tuple[int, ...]) -> None:
+    sweeps = 15 if options.quick else 40
+    beats = 3 if options.quick else 7
+    watch_seconds = 1.5 if options.quick else 4.0
+    sweep: dict[int, list[float]] = {}
+    beat: dict[int, list[float]] = {}
+    waits: dict[int, tuple[float, float, int]] = {}
+    rates: dict[int, float] = {}
+    store = target.open("keys")
+    present = 0
+    other = f"{target.run_prefix}-other"
+    try:
+        for size in sizes:
+            options.log(f"[growth] {target.name}: {size:,} keys")
+            names = [f"{target.run_prefix}-cap:k{i:07d}" for i in range(present, size)]
+            populate_slot_names(target, "keys", names, 4)
+            present = size
+            target.vacuum_store("keys")
+            store.sweep()  # (a new session's first statements are not counted)
+            sweep[size] = [ms(_timed(store.sweep)[0]) for _ in range(sweeps)]
+            beat[size] = [ms(_timed(sweep_store, store, KEY_WARNING_THRESHOLD)[0]) for _ in range(beats)]
+            quiet, _ = _another_client(target, store, other, watch_seconds, beat=False)
+            busy, runs = _another_client(target, store, other, watch_seconds, beat=True)
+            waits[size] = (busy, quiet, runs)
+            options.log(
+                f"[growth] {target.name}: {size:,} keys: sweep {median(sweep[size]):.3f} ms, beat's work "
+                f"{median(beat[size]):.1f} ms, another client's longest pair {max(busy):.1f} ms "
+                f"(p99 {percentile(busy, 0.99):.1f}) with the beat ({runs} runs), {max(quiet):.1f} ms "
+                f"(p99 {percentile(quiet, 0.99):.1f}) without"
+            )
+        # Clients on distinct keys, at the largest key set.
+        pool = ClientPool(target, max(CLIENTS))
+        try:
+            for clients in CLIENTS:
+                outcome: Outcome = pool.run(
+                    clients,
+                    Job("caps", variant="keys", slot=f"{target.run_prefix}-cap:c", limit=4, distinct=True),
+                    0.6 if options.quick else 1.5,
+                )
+                rates[clients] = outcome.rate()
+        finally:
+            pool.close()
+    finally:
+        store.close()
+    smallest, largest = sizes[0], sizes[-1]
+    for size in sizes:
+        growth = ratio(median(sweep[size]), median(sweep[smallest]))
+        last = size == largest and size != smallest
+        report.add(
+            Figure(
+                PART,
+                f"{target.name}: sweep, nothing expired, {size:,} keys",
+                median(sweep[size]),
+                "ms",
+                versus=f"{smallest:,} keys {median(sweep[smallest]):.3f} ms"
+                + (f"; before: {BEFORE['sweep'][target.name]} ms" if last else ""),
+                ratio=growth,
+                target="ratio <= 2" if last else "",
+                met=at_most(growth, 2.0) if last else None,
+                repeats=sweep[size],
+            )
+        )
+        report.add(
+            Figure(
+                PART,
+                f"{target.name}: the beat's work (sweep + keys per cap), {size:,} keys",
+                median(beat[size]),
+                "ms",
+                versus=f"{smallest:,} keys {median(beat[smallest]):.3f} ms"
+                + (f"; before, status() alone: {BEFORE['status'][target.name]} ms" if last else ""),
+                ratio=ratio(median(beat[size]), median(beat[smallest])),
+                repeats=beat[size],
+            )
+        )
+        busy, quiet, runs = waits[size]
+        report.add(
+            Figure(
+                PART,
+                f"{target.name}: another client's longest acquire+release while the beat works, {size:,} keys",
+                max(busy),
+                "ms",
+                versus=f"without the beat {max(quiet):.1f} ms; p99 {percentile(busy, 0.99):.2f} ms with, "
+                f"{percentile(quiet, 0.99):.2f} ms without ({runs} beat runs meanwhile)",
+                ratio=ratio(max(busy), max(quiet)),
+                target="<= 10 ms" if size == largest else "",
+                met=at_most(max(busy), 10.0) if size == largest else None,
+                detail={
+                    "p99_ms": percentile(busy, 0.99),
+                    "quiet_p99_ms": percentile(quiet, 0.99),
+                    "pairs": len(busy),
+                    "quiet_pairs": len(quiet),
+                    "beat_runs": runs,
+                },
+            )
+        )
+    for clients in CLIENTS:
+        report.add(
+            Figure(
+                PART,
+                f"{target.name}: pairs/s, {clients} client(s) on distinct keys, {largest:,} keys",
+                rates[clients],
+                "/s",
+                versus=f"1 client {rates[1]:,.0f}/s",
+                ratio=ratio(rates[clients], rates[1]),
+            )
+        )
