@@ -5,7 +5,8 @@ Parts (``--only`` takes a comma-separated list, all by default):
 * ``store``: store operations per store against the floor and the peers;
 * ``overhead``: capped vs uncapped tasks through a real worker;
 * ``utilisation``: slot utilisation under a binding cap, global and per key;
-* ``scaling``: admission cost against contenders, slot names and held leases; renewal.
+* ``scaling``: admission cost against contenders, slot names and held leases; renewal;
+* ``connections``: the PostgreSQL server connections a 3 x 4 prefork fleet holds.
 
 Prints one table and writes the figures, the machine and the arguments as JSON
 (``benchmarks/results/latest.json`` by default).  See ``benchmarks/README.md``.
@@ -26,7 +27,7 @@ from pathlib import Path
 # (a PYTHONPATH naming a snapshot of celery_caps makes that snapshot the one measured).
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import scaling, store_ops, task_overhead, utilisation
+from benchmarks import connections, scaling, store_ops, task_overhead, utilisation
 from benchmarks.common import (
     REPO_ROOT,
     RESULTS_DIR,
@@ -47,6 +48,7 @@ PARTS = {
     "overhead": task_overhead.run,
     "utilisation": utilisation.run,
     "scaling": scaling.run,
+    "connections": connections.run,
 }
 STORES = ("sqlite", "postgresql", "mariadb", "redis")
 

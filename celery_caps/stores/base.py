@@ -526,6 +526,12 @@ class SlotStore(abc.ABC):
             StoreError: the store cannot be reached (the first real call tries again).
         """
 
+    def limit_connections(self, count: int | None) -> None:
+        """Open at most ``count`` connections at once in this process (None: as many as its
+        threads call at once): a process that runs one task at a time (a prefork pool process)
+        asks for one, which its renewals and background releases then share.  A store whose
+        client manages its own connections ignores it."""
+
     def durability_warning(self) -> str | None:
         """What a restart of the store's server would lose, for a worker to warn about at start
         (a waiting list kept in memory only); None if nothing.
