@@ -11,7 +11,9 @@ looked up in ``/proc``): a worker's main process, or one of its pool processes. 
 * **idle**: the same fleet, :data:`IDLE_WAIT_SECONDS` after the last task ended.
 
 Figures are counts, not timings: the most connections held at any sample, in all and per
-process kind.  The fleet's own connections only (the sampling one is not counted).
+process kind.  The fleet's own connections only: neither the sampling one nor the sending
+process's (the benchmark's own, which warms up its store before it sends, as a sender with
+``caps_park_on_publish`` would).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .clients import caps_url_for, drop_slots
 from .common import Figure, Options, Report, reachable, service_url
 from .workers import BenchFleet, wait_for
 
@@ -51,11 +52,16 @@ def run(report: Report, options: Options) -> None:
     if reachable(broker):
         report.note(f"connection benchmarks skipped: {reachable(broker)}")
         return
-    caps_url, why = caps_url_for("postgresql", options)
-    if caps_url is None:
-        report.note(f"connection benchmarks skip postgresql: {why}")
+    server_url = service_url("postgres")
+    if reachable(server_url):
+        report.note(f"connection benchmarks skip postgresql: {reachable(server_url)}")
         return
+    # A database of this run's own (the shared benchmark databases are dropped by any run
+    # that starts meanwhile, which would end this fleet's connections).
     name = f"caps-budget-{uuid.uuid4().hex[:8]}"
+    database = name.replace("-", "_")
+    _admin(server_url, f'CREATE DATABASE "{database}"')
+    caps_url = sa.engine.make_url(server_url).set(database=database).render_as_string(hide_password=False)
     fleet_url = sa.engine.make_url(caps_url).update_query_dict({"application_name": name})
     prefix = f"{options.run_prefix}c-"
     env = {
@@ -78,7 +84,9 @@ def run(report: Report, options: Options) -> None:
         queue = fleet.new_queue()
         fleet.fill(queue, "bench.global", [("a", TASK_MS)] * BACKLOG)
         fleet.consume(queue)
+        began = time.monotonic()
         running = sampler.sample_until(fleet, lambda: fleet.waiting(queue) == (0, 0), timeout=180)
+        options.log(f"[connections] {BACKLOG} tasks drained in {time.monotonic() - began:.1f} s")
         fleet.stop_consuming(queue)
         options.log(f"[connections] drained; waiting {idle_wait:.0f} s for the idle fleet")
         time.sleep(idle_wait)
@@ -91,7 +99,16 @@ def run(report: Report, options: Options) -> None:
     finally:
         sampler.close()
         fleet.close()
-        drop_slots(caps_url, prefix)
+        _admin(server_url, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+def _admin(server_url: str, statement: str) -> None:
+    engine = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            connection.exec_driver_sql(statement)
+    finally:
+        engine.dispose()
 
 
 #: One sample: connections held, by (worker index, "main" or the pool process's pid).
@@ -179,16 +196,27 @@ def socket_owners(fleet: BenchFleet) -> dict[int, tuple[int, str]]:
                     port = by_inode.get(int(target[8:-1]))
                     if port is not None:
                         owners[port] = (index, kind)
+    # The benchmark's own process sends the tasks (it warmed up its store first, as a sender does).
+    for fd in Path(f"/proc/{os.getpid()}/fd").glob("*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            port = by_inode.get(int(target[8:-1]))
+            if port is not None:
+                owners[port] = (-1, "sender")
     return owners
 
 
 def report_phase(report: Report, phase: str, samples: list[Sample], idle_wait: float | None) -> None:
     """The most connections at any sample: in all, per main process, per pool process."""
-    total = [sum(sample.values()) for sample in samples]
+    total = [sum(n for (_, kind), n in sample.items() if kind != "sender") for sample in samples]
     main = [max((n for (_, kind), n in sample.items() if kind == "main"), default=0) for sample in samples]
     pool = [max((n for (_, kind), n in sample.items() if kind.startswith("pool")), default=0) for sample in samples]
     pools_holding = [sum(1 for (_, kind) in sample if kind.startswith("pool")) for sample in samples]
-    unknown = [sum(n for (_, kind), n in sample.items() if not kind.startswith(("pool", "main"))) for sample in samples]
+    fleet_kinds = ("pool", "main", "sender")
+    unknown = [sum(n for (_, kind), n in sample.items() if not kind.startswith(fleet_kinds)) for sample in samples]
     if phase == "started":
         when = f"{WORKERS} workers x -c {CONCURRENCY} started, no task yet"
     elif phase == "running":

@@ -837,7 +837,7 @@ def test_racers_for_a_slot_win_exactly_its_limit(store: SlotStore, contenders: C
 
 
 #: Acquire/release attempts per contender; SQLite serialises every write through one file lock.
-CONTENTION_ATTEMPTS = {"memory": 300, "sqlite": 300, "postgres": 300, "mysql": 300, "redis": 300}
+CONTENTION_ATTEMPTS = {"memory": 300, "sqlite": 300, "postgres": 300, "pgbouncer": 300, "mysql": 300, "redis": 300}
 TENANT_LIMIT = 4
 GLOBAL_LIMIT = 3
 # The gauge: holders now and at peak per slot, then admissions and refusals.

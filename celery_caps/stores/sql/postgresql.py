@@ -29,6 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from ..base import Admission, ClaimOutcome, ParkOutcome, ParkRequest, Woken
+from .dialects import behind_pooler
 from .leases import _cut
 from .schema import SCHEMA_VERSION
 from .statements import POSTGRESQL_CALLS
@@ -518,6 +519,26 @@ class PostgreSQLStore(SQLStore):
                 self.claim(waiter.task_id, waiter.run_id, holder, lease)
             self.claim(other_task, other_run, holder, lease)
             self.release_and_wake(waiter.run_id, lease)
+
+    def connection_warnings(self) -> list[str]:
+        """A connection pooler between the store and PostgreSQL with server-side prepared
+        statements on (``prepare_threshold`` set in ``caps_url``): under transaction pooling
+        they reach other clients' sessions."""
+        fairy = self._engine.raw_connection()
+        try:
+            driver = fairy.driver_connection
+            pooled = behind_pooler(driver)
+            threshold = getattr(driver, "prepare_threshold", None)
+        finally:
+            fairy.close()
+        if not pooled or threshold is None:
+            return []
+        return [
+            f"{self.display_url} is reached through a connection pooler (PgBouncer?) with server-side prepared "
+            f"statements on (prepare_threshold={threshold}): under transaction pooling they collide with other "
+            "clients' statements (DuplicatePreparedStatement, or another statement run); remove prepare_threshold "
+            "from caps_url (off through a pooler by default) or set prepare_threshold=none"
+        ]
 
     def limit_connections(self, count: int | None) -> None:
         self.pool.limit = count
