@@ -209,7 +209,9 @@ def private_pooled_url(service: str, pooler_url: str | None = None) -> Iterator[
         with engine.connect() as connection:
             connection.exec_driver_sql(f"CREATE DATABASE {database}")
         try:
-            yield pooled.set(database=database).render_as_string(hide_password=False)
+            # (The session's search path, on a direct URL, names a schema of another database.)
+            own = pooled.set(database=database).difference_update_query(["options"])
+            yield own.render_as_string(hide_password=False)
         finally:
             with engine.connect() as connection:
                 connection.exec_driver_sql(f"DROP DATABASE {database} WITH (FORCE)")
