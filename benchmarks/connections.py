@@ -86,13 +86,15 @@ def run(report: Report, options: Options) -> None:
         fleet.consume(queue)
         began = time.monotonic()
         running = sampler.sample_until(fleet, lambda: fleet.waiting(queue) == (0, 0), timeout=180)
-        options.log(f"[connections] {BACKLOG} tasks drained in {time.monotonic() - began:.1f} s")
+        drained = time.monotonic() - began
+        options.log(f"[connections] {BACKLOG} tasks drained in {drained:.1f} s")
         fleet.stop_consuming(queue)
         options.log(f"[connections] drained; waiting {idle_wait:.0f} s for the idle fleet")
         time.sleep(idle_wait)
         idle = sampler.sample_for(fleet, SAMPLE_SECONDS)
         for phase, samples in (("started", started), ("running", running), ("idle", idle)):
             report_phase(report, phase, samples, idle_wait if phase == "idle" else None)
+        report.add(Figure(PART, f"{BACKLOG} tasks of {TASK_MS} ms drained (while sampled)", drained, "s"))
     except Exception as exc:
         report.note(f"connection benchmarks failed: {type(exc).__name__}: {str(exc)[:300]}")
         options.log(f"[connections] FAILED: {type(exc).__name__}: {str(exc)[:300]}\n{fleet.tails()}")
