@@ -1,6 +1,6 @@
 # PgBouncer (Debian's package) in front of the test PostgreSQL server, for the tests that run
 # through a connection pooler.  Sourced by .ci/run; usable by hand too:
-#   source .ci/pgbouncer.sh && pgbouncer_start transaction 6432 /tmp/pgb-tx
+#   source .ci/pgbouncer.sh && pgbouncer_start transaction 17432 /tmp/pgb-tx
 # starts one pgbouncer in the given pool mode on 127.0.0.1:PORT, forwarding every database
 # name to 127.0.0.1:5432 as the connecting user (trust, as the test server), with its ini file,
 # log and pid file in DIR.  Stop it with: kill "$(cat DIR/pgbouncer.pid)".

@@ -13,7 +13,7 @@ redis       ``CAPS_TEST_REDIS_URL``    ``redis://127.0.0.1:6379/14``
 
 PgBouncer in front of that PostgreSQL server, in transaction and in session pooling
 (``.ci/run`` starts both): ``CAPS_TEST_PGBOUNCER_TX_URL`` and ``CAPS_TEST_PGBOUNCER_SESSION_URL``,
-e.g. ``postgresql+psycopg://postgres@127.0.0.1:6432/test``.  The ``pgbouncer`` store row runs
+e.g. ``postgresql+psycopg://postgres@127.0.0.1:17432/test``.  The ``pgbouncer`` store row runs
 the store tests through the transaction pooler.  A pooler forwards no ``options``, so tests
 through one get a database of their own (created on the PostgreSQL server directly; the
 pooler's ``[databases]`` must forward any name: ``* = host=... port=...``).
