@@ -27,7 +27,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from .common import Figure, Options, Report, reachable, service_url
+from .common import Figure, Options, Report, median, ms, reachable, service_url
 from .workers import BenchFleet, wait_for
 
 PART = "connections"
@@ -73,6 +73,10 @@ def run(report: Report, options: Options) -> None:
         "CAPS_BENCH_PREFETCH": "1",
         "CAPS_BENCH_EXTRA_CONF": "caps_strategy=park",
     }
+    try:
+        measure_prepared(report, options, caps_url)
+    except Exception as exc:  # the fleet still runs
+        report.note(f"prepared-statement figures failed: {type(exc).__name__}: {str(exc)[:300]}")
     fleet = BenchFleet(env, Path(options.tmp_dir) / "logs")
     sampler = Sampler(caps_url, name)
     idle_wait = 20.0 if options.quick else IDLE_WAIT_SECONDS
@@ -111,6 +115,57 @@ def _admin(server_url: str, statement: str) -> None:
             connection.exec_driver_sql(statement)
     finally:
         engine.dispose()
+
+
+#: Acquire-and-release pairs per round of the prepared-statement comparison, and rounds.
+PAIRS = 400
+PAIR_ROUNDS = 8
+
+
+def measure_prepared(report: Report, options: Options, caps_url: str) -> None:
+    """What psycopg's server-side prepared statements save on a direct connection (where the
+    store keeps them on; through a pooler it turns them off): one client's acquire-and-release
+    pairs with ``prepare_threshold`` 5 (psycopg's default) and ``none``, interleaved rounds."""
+    from celery_caps.stores import store_from_url
+
+    url = sa.engine.make_url(caps_url)
+    stores = {
+        variant: store_from_url(url.update_query_dict({"prepare_threshold": variant}).render_as_string(False))
+        for variant in ("5", "none")
+    }
+    slot = f"{options.run_prefix}prepared"
+    per_pair: dict[str, list[float]] = {variant: [] for variant in stores}
+    try:
+        for store in stores.values():
+            store.warm_up()
+        for number in range(2 if options.quick else PAIR_ROUNDS):
+            order = list(stores.items()) if number % 2 == 0 else list(reversed(stores.items()))
+            for variant, store in order:
+                began = time.perf_counter()
+                for _ in range(PAIRS):
+                    run_id = uuid.uuid4().hex
+                    store.acquire({slot: 4}, run_id, run_id, "bench", 30.0)
+                    store.release_and_wake(run_id, 30.0)  # type: ignore[attr-defined]
+                per_pair[variant].append((time.perf_counter() - began) / PAIRS)
+        store = stores["none"]
+        store.prune(slot)
+    finally:
+        for store in stores.values():
+            store.close()
+    ratios = [off / on for off, on in zip(per_pair["none"], per_pair["5"], strict=True)]
+    prepared = median(per_pair["5"])
+    report.add(Figure(PART, "one client, acquire + release pair, prepared statements on", ms(prepared), "ms"))
+    report.add(
+        Figure(
+            PART,
+            "one client, acquire + release pair, prepared statements off",
+            ms(median(per_pair["none"])),
+            "ms",
+            versus=f"prepared {ms(prepared):.3f} ms",
+            ratio=median(ratios),
+            repeats=[ms(value) for value in per_pair["none"]],
+        )
+    )
 
 
 #: One sample: connections held, by (worker index, "main" or the pool process's pid).
