@@ -358,3 +358,19 @@ def test_prepared_statements_follow_the_url_and_are_on_for_a_direct_connection(
 def test_a_prepare_threshold_that_is_no_number_is_a_configuration_error(url: str) -> None:
     with pytest.raises(ConfigurationError, match="prepare_threshold='often'"):
         store_from_url(f"{url}&prepare_threshold=often")
+
+
+@pytest.mark.pgbouncer
+def test_through_pgbouncer_the_default_url_keeps_prepared_statements_off() -> None:
+    from tests.services import require_service
+
+    opened = store_from_url(require_service("pgbouncer-tx"))
+    try:
+        assert isinstance(opened, PostgreSQLStore)
+        opened.warm_up()
+        [(connection, _)] = opened.pool._idle
+        assert connection.prepare_threshold is None
+        with opened.engine.connect() as engine_connection:
+            assert engine_connection.connection.driver_connection.prepare_threshold is None  # type: ignore[union-attr]
+    finally:
+        opened.close()
