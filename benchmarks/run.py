@@ -7,6 +7,7 @@ Parts (``--only`` takes a comma-separated list, all by default):
 * ``utilisation``: slot utilisation under a binding cap, global and per key;
 * ``scaling``: admission cost against contenders, slot names and held leases; renewal;
 * ``growth``: step costs against the waiting list's length, the number of keys and of clients.
+* ``connections``: the PostgreSQL server connections a 3 x 4 prefork fleet holds.
 
 Prints one table and writes the figures, the machine and the arguments as JSON
 (``benchmarks/results/latest.json`` by default).  See ``benchmarks/README.md``.
@@ -27,7 +28,7 @@ from pathlib import Path
 # (a PYTHONPATH naming a snapshot of celery_caps makes that snapshot the one measured).
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import growth, scaling, store_ops, task_overhead, utilisation
+from benchmarks import connections, growth, scaling, store_ops, task_overhead, utilisation
 from benchmarks.common import (
     REPO_ROOT,
     RESULTS_DIR,
@@ -49,6 +50,7 @@ PARTS = {
     "utilisation": utilisation.run,
     "scaling": scaling.run,
     "growth": growth.run,
+    "connections": connections.run,
 }
 #: The parts that use the shared benchmark databases (dropped at a run's start and end).
 _SHARED_DATABASE_PARTS = {"store", "overhead", "utilisation", "scaling"}

@@ -11,6 +11,10 @@ Store errors name the operation that met them ("creating the schema failed on ..
 first call in a process creates the schema, so a store that cannot be reached at all would
 be reported as a schema problem.  :func:`describe` says "cannot connect" instead when the
 driver failed to open a connection.
+
+What the worker checks at start, and ``celery caps check`` too, is :func:`check_store`: a
+round trip of admission and release on a scratch slot, and what in the way the store is reached
+would break it (a PostgreSQL pooler with prepared statements on).
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .errors import StoreError
 from .settings import StoreErrorPolicy
+from .stores.base import SlotStore
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +68,54 @@ def describe(exc: StoreError) -> str:
     # The store's message: "<operation> failed on <masked url>: <driver error>".
     _operation, separator, rest = text.partition(" failed on ")
     return f"cannot connect to the slot store {rest}" if separator else f"cannot connect to the slot store: {text}"
+
+
+#: The slot names a store check takes and gives back: a fresh one each time, pruned after,
+#: which no cap can ever name (cap names have no ``:``; a keyed cap's slot starts with its own).
+CHECK_SLOT_PREFIX = "celery-caps-check:"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What :func:`check_store` found: the store's masked URL, the seconds its round trip took,
+    and what in the way it is reached would break it (empty if nothing)."""
+
+    store: str
+    seconds: float
+    warnings: list[str]
+
+
+def check_store(store: SlotStore, holder: str, lease_seconds: float = 30.0) -> CheckResult:
+    """Prove ``store`` works as admission needs it: prepare it (its schema), take a scratch slot
+    of limit 1, be refused a second run of it, give it back, prune it; then ask the store what
+    in the way it is reached would break it (:meth:`SlotStore.connection_warnings`).  The slot
+    is a fresh name under :data:`CHECK_SLOT_PREFIX`, pruned at the end, so it never counts
+    against a real cap.
+
+    Raises:
+        StoreError: a call failed (the message names the store and the driver's error), or the
+            store answered what no working store would.
+    """
+    started = time.monotonic()
+    store.warm_up()
+    slot = f"{CHECK_SLOT_PREFIX}{uuid.uuid4().hex}"
+    first, second = uuid.uuid4().hex, uuid.uuid4().hex
+    try:
+        if not store.acquire({slot: 1}, first, first, holder, lease_seconds).granted:
+            raise StoreError(f"{store.display_url}: a fresh slot of limit 1 was refused to its first run")
+        if store.acquire({slot: 1}, second, second, holder, lease_seconds).granted:
+            store.release(second)
+            raise StoreError(f"{store.display_url}: a slot of limit 1 was granted to two runs at once")
+        if store.release(first) != 1:
+            raise StoreError(f"{store.display_url}: releasing the run that held a slot released nothing")
+    finally:
+        try:
+            store.release(first)
+            store.prune(slot)
+        except StoreError:
+            logger.debug("cleaning up the store check's slot failed", exc_info=True)
+    seconds = time.monotonic() - started
+    return CheckResult(store.display_url, seconds, store.connection_warnings())
 
 
 class StoreHealth:

@@ -144,11 +144,15 @@ class CapsRuntime:
         return self._store
 
     def warm_up(self) -> None:
-        """Build the store and let it prepare (schema, connections) before the first task needs
-        it: for the thread that runs the tasks, the background thread and the lease keeper.  A
-        failure is logged (the first task tries again)."""
+        """Build the store and let it prepare (schema, a connection) before the first task of
+        this pool process needs it.  The process runs one task at a time, so it keeps one store
+        connection, which the thread that runs the tasks, the background thread and the lease
+        keeper share (each call takes about a millisecond).  A failure is logged (the first task
+        tries again)."""
         try:
-            self.store.warm_up(threads=2, renewals=True)
+            store = self.store
+            store.limit_connections(1)
+            store.warm_up(threads=1)
         except Exception as exc:  # a StoreError (the worker's main process warns), or a bad setting
             reason = describe(exc) if isinstance(exc, StoreError) else str(exc)
             logger.info("celery-caps: the slot store was not warmed up (%s); the first task connects", reason)

@@ -24,6 +24,7 @@ from celery.worker.request import Request
 
 from . import park
 from .errors import ConfigurationError, StoreError
+from .health import CheckResult, check_store
 from .settings import CapsSettings
 from .stores import store_from_url
 from .stores.base import ParkingStore
@@ -239,19 +240,33 @@ class StoreCheck(threading.Thread):
                 return
 
     def check(self) -> None:
-        """One check: from ``caps_url`` as a URL, on a store of its own, closed after (the main
-        process keeps no connection for it); from a ready engine, client or store, on the
-        runtime's store, which resets the connections a forked pool process inherits."""
+        """One check (:func:`~celery_caps.health.check_store`: a round trip of admission and
+        release on a scratch slot, and what would break the store under load): from
+        ``caps_url`` as a URL, on a store of its own, closed after (the main process keeps no
+        connection for it); from a ready engine, client or store, on the runtime's store, which
+        resets the connections a forked pool process inherits."""
         settings = self.runtime.settings
         url = settings.require_url()
+        holder = f"celery-caps-check/{holder_name(None, None)}"
         if not isinstance(url, str):
-            self.runtime.store.warm_up()
+            self.report(check_store(self.runtime.store, holder, settings.lease_seconds))
             return
         store = store_from_url(url, settings.store_options)
         try:
-            store.warm_up()
+            self.report(check_store(store, holder, settings.lease_seconds))
         finally:
             store.close()
+
+    @staticmethod
+    def report(result: CheckResult) -> None:
+        logger.info(
+            "celery-caps: the slot store %s works (a scratch slot taken, refused to a second run and given back "
+            "in %.0f ms)",
+            result.store,
+            result.seconds * 1000,
+        )
+        for warning in result.warnings:
+            logger.error("celery-caps: %s", warning)
 
 
 class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]

@@ -13,12 +13,19 @@ redis       ``CAPS_TEST_REDIS_URL``    ``redis://127.0.0.1:6379/14``
 
 and two Redis topologies, which ``.ci/redis-topologies.sh start`` starts and prints:
 
-============== ================================ ===========================================
+============== ================================ ====================================
 store          variable                         example
 ============== ================================ ===========================================
 redis_cluster  ``CAPS_TEST_REDIS_CLUSTER_URL``  ``redis+cluster://127.0.0.1:7301,127.0.0.1:7302``
 redis_sentinel ``CAPS_TEST_REDIS_SENTINEL_URL`` ``sentinel://127.0.0.1:7321;...?master_name=caps-master``
 ============== ================================ ===========================================
+=======
+PgBouncer in front of that PostgreSQL server, in transaction and in session pooling
+(``.ci/run`` starts both): ``CAPS_TEST_PGBOUNCER_TX_URL`` and ``CAPS_TEST_PGBOUNCER_SESSION_URL``,
+e.g. ``postgresql+psycopg://postgres@127.0.0.1:17432/test``.  The ``pgbouncer`` store row runs
+the store tests through the transaction pooler.  A pooler forwards no ``options``, so tests
+through one get a database of their own (created on the PostgreSQL server directly; the
+pooler's ``[databases]`` must forward any name: ``* = host=... port=...``).
 
 A test whose service is unset or unreachable is skipped, unless
 ``CAPS_REQUIRE_SERVICES=1`` (CI), which turns the skip into a failure.
@@ -60,7 +67,11 @@ SERVICE_VARIABLES = {
     "amqp": "CAPS_TEST_AMQP_URL",
     "redis_cluster": "CAPS_TEST_REDIS_CLUSTER_URL",
     "redis_sentinel": "CAPS_TEST_REDIS_SENTINEL_URL",
+    "pgbouncer-tx": "CAPS_TEST_PGBOUNCER_TX_URL",
+    "pgbouncer-session": "CAPS_TEST_PGBOUNCER_SESSION_URL",
 }
+#: The poolers in front of the PostgreSQL server, by service name.
+POOLER_SERVICES = ("pgbouncer-tx", "pgbouncer-session")
 
 #: The Redis topologies besides one server (``.ci/redis-topologies.sh``).
 REDIS_TOPOLOGY_KINDS = ("redis_cluster", "redis_sentinel")
@@ -100,6 +111,7 @@ STORE_KINDS = (
     StoreKind("memory", None, shared=False),
     StoreKind("sqlite", None, shared=False),
     StoreKind("postgres", "postgres", shared=True),
+    StoreKind("pgbouncer", "pgbouncer-tx", shared=True),  # PostgreSQL through PgBouncer, transaction pooling
     StoreKind("mysql", "mysql", shared=True),
     StoreKind("redis", "redis", shared=False),  # private: a key prefix per test
     StoreKind("redis_cluster", "redis_cluster", shared=False),
@@ -210,6 +222,29 @@ def private_sql_url(service: str, server_url: str | None = None) -> Iterator[str
 
 
 @contextlib.contextmanager
+def private_pooled_url(service: str, pooler_url: str | None = None) -> Iterator[str]:
+    """A store URL through the pooler ``service`` (``pgbouncer-tx``, ``pgbouncer-session``) to a
+    PostgreSQL database of its own, created and dropped on the server directly (a pooler
+    forwards no ``options``, so a schema of its own is out of reach)."""
+    pooled = sa.engine.make_url(pooler_url or require_service(service))
+    server = sa.engine.make_url(require_service("postgres")).set(query={})
+    database = f"caps_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as connection:
+            connection.exec_driver_sql(f"CREATE DATABASE {database}")
+        try:
+            # (The session's search path, on a direct URL, names a schema of another database.)
+            own = pooled.set(database=database).difference_update_query(["options"])
+            yield own.render_as_string(hide_password=False)
+        finally:
+            with engine.connect() as connection:
+                connection.exec_driver_sql(f"DROP DATABASE {database} WITH (FORCE)")
+    finally:
+        engine.dispose()
+
+
+@contextlib.contextmanager
 def private_databases() -> Iterator[None]:
     """Point the PostgreSQL and MySQL variables at a schema/database of their own while the
     context lasts (each reachable service; the others are left to skip or fail as usual)."""
@@ -220,6 +255,15 @@ def private_databases() -> Iterator[None]:
             if not url or _unreachable_reason(url) is not None:
                 continue
             private = stack.enter_context(private_sql_url(service, url))
+            os.environ[variable] = private
+            stack.callback(os.environ.__setitem__, variable, url)
+        for service in POOLER_SERVICES:
+            variable = SERVICE_VARIABLES[service]
+            url = os.environ.get(variable, "").strip()
+            server = os.environ.get(SERVICE_VARIABLES["postgres"], "").strip()
+            if not url or not server or _unreachable_reason(url) is not None or _unreachable_reason(server):
+                continue
+            private = stack.enter_context(private_pooled_url(service, url))
             os.environ[variable] = private
             stack.callback(os.environ.__setitem__, variable, url)
         yield

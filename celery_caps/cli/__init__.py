@@ -36,6 +36,7 @@ from .common import (
     lease_json,
     lease_table,
     new_console,
+    one_line,
     operator_for,
     parse_duration,
     waiter_json,
@@ -296,6 +297,36 @@ def explain(ctx: click.Context, task_id: str, as_json: bool) -> None:
         print_explanation(report)
     if report["state"] == "unknown":
         ctx.exit(1)
+
+
+# -- check ---------------------------------------------------------------------------
+
+
+@caps.command()
+@click.pass_context
+def check(ctx: click.Context) -> None:
+    """Check that the store works as a worker needs it, as every worker does when it starts:
+    create what is missing of its schema, take a scratch slot of limit 1, be refused a second
+    run of it, give it back and remove it (it never counts against a cap); then report what in
+    the way the store is reached would break it (a PostgreSQL pooler with prepared statements
+    on).  Exit status 1 with the store's masked URL and the cause if anything is wrong."""
+    from ..errors import StoreError
+    from ..health import check_store, describe
+    from ..runtime import holder_name
+
+    operator = operator_for(ctx)
+    try:
+        result = check_store(operator.store, f"celery-caps-check/{holder_name(None, None)}")
+    except StoreError as exc:
+        raise click.ClickException(one_line(describe(exc))) from exc
+    click.echo(
+        f"{click.style('ok', fg='green')}: {result.store}: a scratch slot taken, refused to a second run and "
+        f"given back in {result.seconds * 1000:.0f} ms"
+    )
+    if result.warnings:
+        for warning in result.warnings:
+            click.echo(f"{click.style('problem', fg='red')}: {warning}")
+        raise click.ClickException(f"{len(result.warnings)} problem(s) with the slot store")
 
 
 # -- sweep, release, prune-keys -----------------------------------------------------

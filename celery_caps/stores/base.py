@@ -380,6 +380,7 @@ _CHECKS: dict[str, Callable[..., None]] = {
     "waiters": _check_slot_filter,
     "warm_up": _no_check,
     "durability_warning": _no_check,
+    "connection_warnings": _no_check,
 }
 
 
@@ -537,6 +538,22 @@ class SlotStore(abc.ABC):
         Raises:
             StoreError: the store cannot be reached (the first real call tries again).
         """
+
+    def limit_connections(self, count: int | None) -> None:
+        """Open at most ``count`` connections at once in this process (None: as many as its
+        threads call at once): a process that runs one task at a time (a prefork pool process)
+        asks for one, which its renewals and background releases then share.  A store whose
+        client manages its own connections ignores it."""
+
+    def connection_warnings(self) -> list[str]:
+        """What in the way this store is reached would break it under load (a PostgreSQL
+        pooler that hands server-side prepared statements to other clients, say), for the
+        start-up check to report; empty if nothing.
+
+        Raises:
+            StoreError: the store cannot be reached.
+        """
+        return []
 
     def durability_warning(self) -> str | None:
         """What a restart of the store's server would lose, for a worker to warn about at start

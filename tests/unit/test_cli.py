@@ -764,3 +764,36 @@ def test_a_task_id_no_store_can_keep_gets_a_one_line_answer(command: list[str], 
     result = run(bare_app(f"sqlite:///{tmp_path / 'caps.db'}"), command[0], bad_id, *command[1:])
     assert result.exit_code == 1
     assert result.output.strip() == "Error: task_id 'bad\\udcff' contains a control character or a lone surrogate"
+
+
+def test_check_takes_a_scratch_slot_and_says_the_store_works(app: Celery, store: SlotStore) -> None:
+    result = run(app, "check")
+    assert result.exit_code == 0, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"ok: {store.display_url}: a scratch slot taken, refused to a second run and given back")
+
+
+@pytest.mark.postgres
+def test_check_of_a_store_that_cannot_be_reached_says_why_in_one_line_without_credentials() -> None:
+    result = run(bare_app(UNREACHABLE["postgres"]), "check")
+    assert result.exit_code == 1, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith("Error: cannot connect to the slot store postgresql+psycopg://caps:***@127.0.0.1:1/caps")
+    assert "Connection refused" in line
+    assert "s3cret" not in result.output
+
+
+@pytest.mark.pgbouncer
+def test_check_through_pgbouncer_with_prepared_statements_on_names_the_problem() -> None:
+    from tests.services import require_service
+
+    pooled = sa.engine.make_url(require_service("pgbouncer-tx"))
+    # Given caps_url through a transaction pooler, with prepared statements asked for
+    result = run(bare_app(pooled.update_query_dict({"prepare_threshold": "5"}).render_as_string(False)), "check")
+    # Then the round trip works, but the check fails and says what to change
+    assert result.exit_code == 1, result.output
+    assert "ok: " in result.output
+    assert "prepared statements on (prepare_threshold=5)" in result.output
+    assert "set prepare_threshold=none" in " ".join(result.output.split())
+    # And without it (the default through a pooler: off) the check passes
+    assert run(bare_app(pooled.render_as_string(False)), "check").exit_code == 0

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_caps.errors import StoreError
+from celery_caps.errors import ConfigurationError, StoreError
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import Admission, ParkOutcome, ParkRequest
 from celery_caps.stores.sql import SCHEMA_VERSION, SQLStore
-from celery_caps.stores.sql.postgresql import KEEP_IDLE, WARM_UP_SLOT_PREFIX, PostgreSQLStore, function_statements
+from celery_caps.stores.sql.postgresql import WARM_UP_SLOT_PREFIX, PostgreSQLStore, function_statements
 from tests.services import private_sql_url
 
 pytestmark = pytest.mark.postgres
@@ -125,20 +125,19 @@ def test_threads_that_come_and_go_share_a_few_connections_and_keep_none_of_their
     for thread in threads:
         thread.join(60)
 
-    # Then none waited for a connection (no pool limit reached), and once the extra ones have
-    # sat unused for the pool's idle time, the next call leaves at most KEEP_IDLE of them open
-    # (plus the engine's pooled one that status() used)
+    # Then none waited for a connection (no pool limit reached), and once they have all sat
+    # unused for the pool's idle time, the next call closes them and keeps its own only
     assert errors == []
     assert time.monotonic() - started < 30
     time.sleep(store.pool.idle_seconds + 0.1)
     one_task(80)
     assert errors == []
-    assert store.pool.idle <= KEEP_IDLE
+    assert store.pool.idle == 1
     # (a closed connection's server process exits a moment later)
     deadline = time.monotonic() + 10
-    while server_connections(store) > KEEP_IDLE + 1 and time.monotonic() < deadline:
+    while server_connections(store) > 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server_connections(store) <= KEEP_IDLE + 1
+    assert server_connections(store) == 1
     assert store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
 
 
@@ -169,8 +168,8 @@ def test_threads_busy_at_once_keep_their_connections_instead_of_reconnecting(sto
             thread.start()
         for thread in threads:
             thread.join(30)
-    # Then the second burst found the first one's connections kept (more than KEEP_IDLE of
-    # them, for the pool's idle time), and opened none
+    # Then the second burst found the first one's connections kept (for the pool's idle
+    # time), and opened none
     assert errors == []
     assert opened == 8, opened
     assert store.pool.idle == 8
@@ -291,3 +290,87 @@ def test_a_forked_child_leaves_the_parents_connections_alone(store: PostgreSQLSt
     # The parent's connection still works
     assert store.release(uuid.uuid4().hex) == 0
     assert store.pool.idle == 1
+
+
+def test_an_idle_process_closes_its_connections_by_itself(store: PostgreSQLStore) -> None:
+    # Given a store whose connections close after 0.3 s unused, warmed up and used once
+    store.pool.idle_seconds = 0.3
+    store.warm_up()
+    store.release(uuid.uuid4().hex)
+    store.status()  # (the engine's pool, too)
+    assert server_connections(store) >= 1
+
+    # When the process makes no further call, then none of its connections is left open
+    deadline = time.monotonic() + 10
+    while (store.pool.open or server_connections(store)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.pool.open == 0
+    assert server_connections(store) == 0
+    # And the next call connects again
+    assert store.release(uuid.uuid4().hex) == 0
+    assert store.pool.idle == 1
+
+
+def test_a_process_limited_to_one_connection_shares_it_between_its_threads(store: PostgreSQLStore) -> None:
+    # Given a pool process's store: one connection, warmed up
+    store.limit_connections(1)
+    store.warm_up(threads=2, renewals=True)
+    assert store.pool.open == 1
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            store.pool.execute("SELECT pg_sleep(0.05)", {})
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    # When its task thread, background thread and lease keeper call at the same moment
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    # Then each call ran, one after the other, on the one connection
+    assert errors == []
+    assert store.pool.open == 1
+    assert server_connections(store) == 1
+
+
+@pytest.mark.parametrize(
+    ("query", "threshold"), [("", 5), ("prepare_threshold=0", 0), ("prepare_threshold=none", None)]
+)
+def test_prepared_statements_follow_the_url_and_are_on_for_a_direct_connection(
+    url: str, query: str, threshold: int | None
+) -> None:
+    opened = store_from_url(f"{url}&{query}" if query else url)
+    try:
+        assert isinstance(opened, PostgreSQLStore)
+        opened.warm_up()
+        [(connection, _)] = opened.pool._idle
+        assert connection.prepare_threshold == threshold
+        with opened.engine.connect() as engine_connection:
+            assert engine_connection.connection.driver_connection.prepare_threshold == threshold  # type: ignore[union-attr]
+    finally:
+        opened.close()
+
+
+def test_a_prepare_threshold_that_is_no_number_is_a_configuration_error(url: str) -> None:
+    with pytest.raises(ConfigurationError, match="prepare_threshold='often'"):
+        store_from_url(f"{url}&prepare_threshold=often")
+
+
+@pytest.mark.pgbouncer
+def test_through_pgbouncer_the_default_url_keeps_prepared_statements_off() -> None:
+    from tests.services import require_service
+
+    opened = store_from_url(require_service("pgbouncer-tx"))
+    try:
+        assert isinstance(opened, PostgreSQLStore)
+        opened.warm_up()
+        [(connection, _)] = opened.pool._idle
+        assert connection.prepare_threshold is None
+        with opened.engine.connect() as engine_connection:
+            assert engine_connection.connection.driver_connection.prepare_threshold is None  # type: ignore[union-attr]
+    finally:
+        opened.close()

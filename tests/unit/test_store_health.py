@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from celery_caps.errors import StoreError
-from celery_caps.health import REMINDER_SECONDS, StoreHealth, describe
+from celery_caps.health import CHECK_SLOT_PREFIX, REMINDER_SECONDS, StoreHealth, check_store, describe
 from celery_caps.stores import store_from_url
+from celery_caps.stores.base import Admission, SlotStore
 
 pytestmark = [pytest.mark.memory]
 
@@ -72,3 +74,34 @@ def test_an_error_of_a_statement_keeps_the_stores_words() -> None:
     error = StoreError("creating the schema failed on sqlite:////x/caps.db: OperationalError: permission denied")
     error.__cause__ = ValueError("not a connection")
     assert describe(error) == str(error)
+
+
+@pytest.mark.usefixtures("store_kind")
+def test_a_store_check_takes_a_scratch_slot_and_leaves_nothing_behind(store: SlotStore) -> None:
+    # Given a store of the table, when the start-up check runs on it
+    result = check_store(store, "celery-caps-check/test")
+
+    # Then it passes with nothing to warn about, and leaves no row of its scratch slot
+    assert result.warnings == []
+    assert result.store == store.display_url
+    assert [status for status in store.status() if status.slot.startswith(CHECK_SLOT_PREFIX)] == []
+    assert [lease for lease in store.leases() if lease.slot.startswith(CHECK_SLOT_PREFIX)] == []
+
+
+@pytest.mark.sqlite
+def test_a_store_check_on_a_store_that_grants_a_full_slot_says_so(tmp_path: Path) -> None:
+    # Given a store whose admission grants whatever it is asked (a broken store)
+    store = store_from_url(f"sqlite:///{tmp_path}/caps.db")
+    granting = store.acquire
+
+    def grant_always(slots: Any, task_id: str, run_id: str, *args: Any, **kwargs: Any) -> Admission:
+        granting({f"{slot}:{run_id}": limit for slot, limit in slots.items()}, task_id, run_id, *args, **kwargs)
+        return Admission(True)
+
+    store.acquire = grant_always  # type: ignore[method-assign]
+
+    # Then the check fails, naming the store and what it did wrong
+    with pytest.raises(StoreError, match="a slot of limit 1 was granted to two runs at once") as raised:
+        check_store(store, "celery-caps-check/test")
+    assert str(raised.value).startswith(f"sqlite:///{tmp_path}/caps.db: ")
+    store.close()

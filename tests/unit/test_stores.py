@@ -885,6 +885,7 @@ CONTENTION_ATTEMPTS = {
     "memory": 300,
     "sqlite": 300,
     "postgres": 300,
+    "pgbouncer": 300,
     "mysql": 300,
     "redis": 300,
     "redis_cluster": 300,

@@ -10,6 +10,7 @@ serialise their writes (it has no ``FOR UPDATE``: the write lock is held already
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ from sqlalchemy.engine import Connection, Engine
 
 from ...errors import ConfigurationError, MissingDependencyError
 from ..base import mask_url
+
+logger = logging.getLogger(__name__)
 
 #: Execution option of a connection whose transactions only read (SQLite: a deferred BEGIN).
 READ_ONLY_OPTION = "caps_read_only"
@@ -143,6 +146,72 @@ _POSTGRESQL_CONNECT_ARGS = {
 }
 _MYSQL_CONNECT_ARGS = {"connect_timeout": 10, "read_timeout": 60, "write_timeout": 60}
 
+#: psycopg's option (and the URL query parameter) for server-side prepared statements.
+PREPARE_THRESHOLD = "prepare_threshold"
+#: psycopg's own default: a statement is prepared on the server at its sixth execution.
+DIRECT_PREPARE_THRESHOLD = 5
+
+
+def prepare_threshold(url: sa.engine.URL) -> tuple[bool, int | None]:
+    """Whether ``url``'s query sets psycopg's ``prepare_threshold``, and its value: a count of
+    executions (0: prepare at once) or ``none``/``off`` (never).
+
+    Raises:
+        ConfigurationError: the value is neither.
+    """
+    value = url.query.get(PREPARE_THRESHOLD)
+    if value is None:
+        return False, None
+    text = (value[-1] if isinstance(value, tuple) else value).strip().lower()
+    if text in ("", "none", "off", "null"):
+        return True, None
+    if text.isdigit():
+        return True, int(text)
+    raise ConfigurationError(
+        f"caps_url {url.render_as_string(hide_password=True)!r}: {PREPARE_THRESHOLD}={text!r} is neither a "
+        "number of executions (0 or more) nor 'none' (never prepare: needed behind a transaction pooler)"
+    )
+
+
+def behind_pooler(dbapi_connection: Any) -> bool:
+    """Whether a connection pooler (PgBouncer, say) stands between this psycopg connection and
+    PostgreSQL: the backend a pooler hands out is not the one it announced to the client (a
+    pooler answers the start-up with a cancel key of its own, whose process id is no
+    server's).  Leaves the connection outside any transaction."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("SELECT pg_backend_pid()")
+        row = cursor.fetchone()
+    finally:
+        cursor.close()
+    if not dbapi_connection.autocommit:
+        dbapi_connection.rollback()
+    return bool(row is not None and row[0] != dbapi_connection.info.backend_pid)
+
+
+def _prepare_unless_pooled(engine: Engine) -> None:
+    """Server-side prepared statements (psycopg's default) on a direct connection only.
+
+    A prepared statement lives in one server session, which a transaction pooler (PgBouncer's
+    ``pool_mode = transaction``) hands to another client after each transaction: its name then
+    collides with, or runs as, another client's statement.  Connections start with them off
+    and get psycopg's default once the server is seen directly; through a pooler, in any mode,
+    they stay off (the store's hot-path statements are calls of its functions, whose own plans
+    the server caches either way: a prepared call saves only its parse).
+    """
+    reported: list[bool] = []
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        if not behind_pooler(dbapi_connection):
+            dbapi_connection.prepare_threshold = DIRECT_PREPARE_THRESHOLD
+        elif not reported:
+            reported.append(True)
+            logger.info(
+                "%s: connected through a connection pooler; server-side prepared statements are off",
+                engine.url.render_as_string(hide_password=True),
+            )
+
 
 def create_engine(url: str) -> Engine:
     """An engine for ``caps_url``, with each database's options (see the module docstring).
@@ -159,6 +228,7 @@ def create_engine(url: str) -> Engine:
     # Every transaction here ends in COMMIT or ROLLBACK; a reset on return would only add a round trip.
     options: dict[str, Any] = {"pool_reset_on_return": None}
     connect_args: dict[str, Any] = {}
+    explicit = False
     if backend in ("mysql", "mariadb"):
         options["isolation_level"] = "READ COMMITTED"
         options["pool_recycle"] = 3600
@@ -166,6 +236,11 @@ def create_engine(url: str) -> Engine:
             connect_args = dict(_MYSQL_CONNECT_ARGS)
     if backend == "postgresql" and parsed.get_driver_name() in ("psycopg", "psycopg2"):
         connect_args = dict(_POSTGRESQL_CONNECT_ARGS)
+        if parsed.get_driver_name() == "psycopg":
+            # Read here: a query parameter would reach psycopg as a string it cannot compare.
+            explicit, threshold = prepare_threshold(parsed)
+            connect_args[PREPARE_THRESHOLD] = threshold
+            parsed = parsed.difference_update_query([PREPARE_THRESHOLD])
     if backend == "sqlite":
         connect_args = {"check_same_thread": False, "timeout": 30}
     connect_args = {key: value for key, value in connect_args.items() if key not in parsed.query}
@@ -188,6 +263,8 @@ def create_engine(url: str) -> Engine:
         raise ConfigurationError(f"caps_url {mask_url(url)!r}: {exc}") from exc
     if backend == "sqlite":
         _serialise_sqlite_writers(engine)
+    if backend == "postgresql" and parsed.get_driver_name() == "psycopg" and not explicit:
+        _prepare_unless_pooled(engine)
     return engine
 
 

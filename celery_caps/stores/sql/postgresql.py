@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from importlib import resources
 from typing import Any
@@ -29,6 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from ..base import Admission, ClaimOutcome, ParkOutcome, ParkRequest, Woken
+from .dialects import behind_pooler
 from .leases import _cut
 from .schema import SCHEMA_VERSION
 from .statements import POSTGRESQL_CALLS
@@ -38,10 +39,12 @@ logger = logging.getLogger(__name__)
 
 #: The slot names a warm-up rehearses the hot path on (in a transaction rolled back: never seen).
 WARM_UP_SLOT_PREFIX = "celery-caps-warm-up:"
-#: Idle hot-path connections a pool keeps however long they sit unused.
-KEEP_IDLE = 4
-#: Seconds an idle connection beyond KEEP_IDLE is kept for the next calls before it is closed.
+#: Seconds a connection may sit unused before it is closed (a running task's renewals use it
+#: every third of a lease; an idle process keeps none).
 IDLE_SECONDS = 30.0
+#: Seconds a call waits for one of its process's connections when all are in use (``limit``)
+#: before it opens one more anyway: never a deadlock, whatever holds them.
+LIMIT_WAIT_SECONDS = 30.0
 
 
 def function_statements() -> list[str]:
@@ -68,26 +71,38 @@ _INHERITED: list[Any] = []
 class DriverPool:
     """psycopg connections in autocommit for the hot path, each checked out for one call.
 
-    A busy process keeps as many as it uses at once (a threads pool's concurrency, say); the
-    idle ones beyond ``keep_idle`` are closed once unused for ``idle_seconds`` (checked at each
-    call), so a process whose threads come and go holds what its recent busiest moment needed,
-    never one per thread that ever called, and none waits for a connection.  The most recently
-    used connection is handed out first, so the extra ones age.  A connection whose call failed
-    is closed, never reused.  After a fork the parent's connections are left alone.
-    Connections come from the engine (its connect arguments and events) and are detached from
-    its pool at once.
+    A process opens connections as its threads call at once, up to ``limit`` (None: no limit;
+    a call beyond it waits for one, at most :data:`LIMIT_WAIT_SECONDS`), and closes each once
+    unused for ``idle_seconds``: at the next call, or by a reaper thread of its own while the
+    process makes none, so an idle process holds no connection.  The most recently used
+    connection is handed out first, so the extra ones age.  A connection whose call failed is
+    closed, never reused.  After a fork the parent's connections are left alone.  Connections
+    come from the engine (its connect arguments and events) and are detached from its pool at
+    once.  ``on_reap`` runs at each of the reaper's rounds (the store closes its engine's idle
+    connections there) and returns whether anything is left for it to watch.
     """
 
-    def __init__(self, engine: Engine, keep_idle: int = KEEP_IDLE, idle_seconds: float = IDLE_SECONDS) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        idle_seconds: float = IDLE_SECONDS,
+        limit: int | None = None,
+        on_reap: Callable[[float], bool] | None = None,
+    ) -> None:
         self._engine = engine
-        self.keep_idle = keep_idle
         self.idle_seconds = idle_seconds
+        self.limit = limit
+        self._on_reap = on_reap
         # (connection, when it was given back: time.monotonic()), the most recent last.
         self._idle: list[tuple[psycopg.Connection[Any], float]] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        #: Connections of this process open now (idle or in a call).
+        self.open = 0
         self._pid = os.getpid()
         # A rehearsal's connection, used by every call of its thread until it is given back.
         self._pinned = threading.local()
+        self._reaper: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def execute(self, sql: str, params: Mapping[str, Any], *, fetch: bool = True) -> tuple[list[tuple[Any, ...]], int]:
         """Run ``sql`` (``%(name)s`` parameters): its rows (``fetch``: a statement that returns
@@ -123,33 +138,107 @@ class DriverPool:
                 return self._idle.pop()[0]
         return self._connect()
 
-    def _connect(self) -> psycopg.Connection[Any]:
-        fairy = self._engine.raw_connection()
-        connection: psycopg.Connection[Any] = fairy.driver_connection  # type: ignore[assignment]
-        fairy.detach()  # ours now: the engine's pool forgets it (and its slot)
-        connection.autocommit = True
+    def _reserve(self) -> bool:
+        """Wait for room for one more connection under ``limit``; count it open.  Returns
+        whether an idle connection came back meanwhile instead (the caller takes it)."""
+        deadline = time.monotonic() + LIMIT_WAIT_SECONDS
+        with self._lock:
+            while self.limit is not None and self.open >= self.limit and not self._idle:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.warning(
+                        "all %d store connection(s) of this process stayed in use for %.0f s: opening one more",
+                        self.open, LIMIT_WAIT_SECONDS,
+                    )  # fmt: skip
+                    break
+                self._lock.wait(remaining)
+            if self._idle and self.limit is not None and self.open >= self.limit:
+                return True
+            self.open += 1
+            return False
+
+    def _connect(self, fresh: bool = False) -> psycopg.Connection[Any]:
+        """A connection for one call (an idle one if one came back while waiting for room),
+        or with ``fresh`` always a new one."""
+        while self._reserve():
+            if fresh:
+                self._close_oldest_idle()
+                continue
+            with self._lock:
+                if self._idle:
+                    return self._idle.pop()[0]
+        try:
+            fairy = self._engine.raw_connection()
+            connection: psycopg.Connection[Any] = fairy.driver_connection  # type: ignore[assignment]
+            fairy.detach()  # ours now: the engine's pool forgets it (and its slot)
+            connection.autocommit = True
+        except BaseException:
+            with self._lock:
+                self.open -= 1
+                self._lock.notify()
+            raise
         return connection
 
+    def _close_oldest_idle(self) -> None:
+        with self._lock:
+            oldest = self._idle.pop(0)[0] if self._idle else None
+        if oldest is not None:
+            self._close(oldest)
+
     def _checkin(self, connection: psycopg.Connection[Any]) -> None:
-        """Keep ``connection`` for the next calls; close those beyond ``keep_idle`` that sat
-        unused for ``idle_seconds``."""
-        now = time.monotonic()
+        """Keep ``connection`` for the next calls; close those unused for ``idle_seconds``."""
+        with self._lock:
+            self._idle.append((connection, time.monotonic()))
+            self._lock.notify()
+        self.close_idle(self.idle_seconds)
+        self._ensure_reaper()
+
+    def close_idle(self, idle_seconds: float) -> int:
+        """Close the connections unused for ``idle_seconds`` or more; returns how many."""
+        deadline = time.monotonic() - idle_seconds
         stale = []
         with self._lock:
-            self._idle.append((connection, now))
-            if len(self._idle) > self.keep_idle:
-                deadline = now - self.idle_seconds
-                while len(self._idle) > self.keep_idle and self._idle[0][1] <= deadline:
-                    stale.append(self._idle.pop(0)[0])
+            while self._idle and self._idle[0][1] <= deadline:
+                stale.append(self._idle.pop(0)[0])
         for old in stale:
             self._close(old)
+        return len(stale)
 
-    @staticmethod
-    def _close(connection: psycopg.Connection[Any]) -> None:
+    def _close(self, connection: psycopg.Connection[Any]) -> None:
         try:
             connection.close()
         except Exception:  # already broken: nothing more to close
             logger.debug("closing a store connection failed", exc_info=True)
+        with self._lock:
+            self.open = max(0, self.open - 1)
+            self._lock.notify()
+
+    def _ensure_reaper(self) -> None:
+        """A thread closing idle connections while nobody calls (started on demand, ends when
+        nothing is left to close)."""
+        if self._reaper is not None and self._reaper.is_alive():
+            return
+        with self._lock:
+            if self._closed.is_set() or (self._reaper is not None and self._reaper.is_alive()):
+                return
+            self._reaper = threading.Thread(target=self._reap, name="celery-caps-idle-connections", daemon=True)
+            self._reaper.start()
+
+    def _reap(self) -> None:
+        pid = os.getpid()
+        interval = min(max(self.idle_seconds / 4, 0.05), 10.0)
+        while not self._closed.wait(interval) and os.getpid() == pid:
+            self.close_idle(self.idle_seconds)
+            watching = self._on_reap(self.idle_seconds) if self._on_reap is not None else False
+            with self._lock:
+                if not self._idle and self.open == 0 and not watching:
+                    self._reaper = None
+                    return
+
+    def watch(self) -> None:
+        """Make sure the reaper runs (the store's engine has connections to watch too)."""
+        if os.getpid() == self._pid:
+            self._ensure_reaper()
 
     @contextmanager
     def rehearsal(self) -> Iterator[None]:
@@ -163,7 +252,7 @@ class DriverPool:
         """
         if os.getpid() != self._pid:
             self._forget_inherited()
-        connection = self._connect()
+        connection = self._connect(fresh=True)
         self._pinned.connection = connection
         try:
             connection.execute("BEGIN")
@@ -180,18 +269,24 @@ class DriverPool:
     def _forget_inherited(self) -> None:
         _INHERITED.extend(connection for connection, _returned in self._idle)
         self._idle = []
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self.open = 0
         self._pinned = threading.local()
+        self._reaper = None
+        self._closed = threading.Event()
         self._pid = os.getpid()
 
     def close(self) -> None:
         if os.getpid() != self._pid:
             self._forget_inherited()
             return
+        self._closed.set()
         with self._lock:
             idle, self._idle = self._idle, []
         for connection, _returned in idle:
             self._close(connection)
+        self._closed = threading.Event()  # (usable again: a store may be used after close)
+        self._reaper = None
 
 
 class PostgreSQLStore(SQLStore):
@@ -201,7 +296,12 @@ class PostgreSQLStore(SQLStore):
 
     def __init__(self, target: str | Engine, *, create_schema: bool = True) -> None:
         super().__init__(target, create_schema=create_schema)
-        self.pool = DriverPool(self._engine)
+        self.pool = DriverPool(self._engine, on_reap=self._close_idle_engine)
+        # When the engine's pool last took a connection back (time.monotonic()): the hot path
+        # never uses it, so what it keeps after the schema check or a sweep is closed once idle.
+        self._engine_returned = 0.0
+        if self._owns_engine:
+            sa.event.listen(self._engine, "checkin", self._engine_checkin)
         #: Whether the functions of this schema version are there (known once prepared).
         self.functions = False
 
@@ -242,6 +342,8 @@ class PostgreSQLStore(SQLStore):
             except sa.exc.SQLAlchemyError as exc:
                 raise self.store_error("checking the schema", exc) from exc
             self.functions = version == SCHEMA_VERSION
+            if self.functions:
+                self._close_idle_engine(0.0)  # the hot path runs on the driver pool from now on
             if not self.functions:
                 logger.warning(
                     "%s: the store's functions of schema version %d are missing (found %s; caps_create_schema is "
@@ -392,7 +494,8 @@ class PostgreSQLStore(SQLStore):
             super().warm_up(threads, renewals)
             return
         wanted = threads + (1 if renewals else 0)
-        self.pool.keep_idle = max(self.pool.keep_idle, wanted)
+        if self.pool.limit is not None:
+            wanted = min(wanted, self.pool.limit)
         for _ in range(max(0, wanted - self.pool.idle)):
             with self.pool.rehearsal():
                 self._rehearse_hot_path()
@@ -418,6 +521,48 @@ class PostgreSQLStore(SQLStore):
                 self.claim(waiter.task_id, waiter.run_id, holder, lease)
             self.claim(other_task, other_run, holder, lease)
             self.release_and_wake(waiter.run_id, lease)
+
+    def connection_warnings(self) -> list[str]:
+        """A connection pooler between the store and PostgreSQL with server-side prepared
+        statements on (``prepare_threshold`` set in ``caps_url``): under transaction pooling
+        they reach other clients' sessions."""
+        fairy = self._engine.raw_connection()
+        try:
+            driver = fairy.driver_connection
+            pooled = behind_pooler(driver)
+            threshold = getattr(driver, "prepare_threshold", None)
+        finally:
+            fairy.close()
+        if not pooled or threshold is None:
+            return []
+        return [
+            f"{self.display_url} is reached through a connection pooler (PgBouncer?) with server-side prepared "
+            f"statements on (prepare_threshold={threshold}): under transaction pooling they collide with other "
+            "clients' statements (DuplicatePreparedStatement, or another statement run); remove prepare_threshold "
+            "from caps_url (off through a pooler by default) or set prepare_threshold=none"
+        ]
+
+    def limit_connections(self, count: int | None) -> None:
+        self.pool.limit = count
+
+    def _engine_checkin(self, _dbapi_connection: Any, _record: Any) -> None:
+        self._engine_returned = time.monotonic()
+        self.pool.watch()
+
+    def _close_idle_engine(self, idle_seconds: float) -> bool:
+        """Close the connections the engine's pool keeps, if none is in use and the last came
+        back ``idle_seconds`` ago or more (an engine handed in is left alone).  Returns whether
+        it keeps any still (to watch)."""
+        if not self._owns_engine:
+            return False
+        pool = self._engine.pool
+        checked_in, checked_out = getattr(pool, "checkedin", None), getattr(pool, "checkedout", None)
+        if checked_in is None or checked_out is None or checked_in() == 0:
+            return False
+        if checked_out() == 0 and time.monotonic() - self._engine_returned >= idle_seconds:
+            self._engine.dispose()  # closes what it keeps; a connection taken meanwhile is not affected
+            return False
+        return True
 
     def after_fork(self) -> None:
         self.pool.close()  # (in the child: forgets the parent's connections, closes none)
