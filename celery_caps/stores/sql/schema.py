@@ -65,8 +65,9 @@ concurrency_slots = sa.Table(
     # independent of how many slot names exist.
     sa.Index("ix_concurrency_slots_slot_expiry", "slot", "expires_at", "task_id"),
     sa.Index("ix_concurrency_slots_task_id", "task_id"),
-    # No index on the expiry alone: the sweep reads the leases through the primary key (see
-    # statements.py), and every admission would pay for one.
+    # The sweep deletes what expired: it reads this index from its start to ``now``, never the
+    # live leases nor the sentinels (whose expiry is NULL).
+    sa.Index("ix_concurrency_slots_expires_at", "expires_at"),
 )
 
 HISTORY_TABLE_NAME = "concurrency_slots_history"

@@ -46,22 +46,20 @@ TEMPLATES: dict[str, str] = {
     "release_run": "DELETE FROM concurrency_slots WHERE run_id = :run_id",
     "release_holder": "DELETE FROM concurrency_slots WHERE task_id = :task_id AND holder = :holder AND run_id <> ''",
     "release_task": "DELETE FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''",
-    # The sweep, a batch at a time, each in its own transaction: the store's clock read once, the
-    # expired leases found among the leases only, then deleted if still expired (a run admitted
-    # again replaces its row).  Leases are the rows whose run id is not empty: the primary key
-    # (run_id, slot) gives them as one range past every sentinel (run id ''), so the sweep reads
-    # what runs now, never the keys.  (No index on the expiry: every lease taken and released
-    # would pay for it, a fifth more WAL per admission, for a read made once a minute.)
+    # The sweep, a batch at a time, each in its own transaction: the store's clock read once
+    # (a volatile clock compared per row could use no index), the expired rows found through the
+    # expiry's index, then deleted if still expired (a run admitted again replaces its row).
+    # Sentinels have a NULL expiry, which no comparison matches: the sweep keeps them.
     "now": "SELECT {now}",
-    "expired_runs": "SELECT run_id FROM concurrency_slots WHERE run_id > '' AND expires_at <= :now LIMIT :batch",
+    "expired_runs": ("SELECT run_id FROM concurrency_slots WHERE expires_at <= :now ORDER BY expires_at LIMIT :batch"),
     "sweep": "DELETE FROM concurrency_slots WHERE run_id IN :run_ids AND expires_at <= :now",
     # Whether the sweep has anything to do, read first (so that a sweep with nothing to do takes
-    # no write lock: on SQLite, the whole database's): the clock, the earliest lease expiry (read
-    # from the leases' range of the primary key, as above) and the earliest end of a tombstone,
-    # the first entry of its index (no parameter: a plan cached for a parameter could scan instead).
+    # no write lock: on SQLite, the whole database's): the clock, the earliest lease expiry and
+    # the earliest end of a tombstone, each the first entry of its index (no parameter: a plan
+    # cached for a parameter could scan instead).
     "next_expiries": (
         "SELECT {now}, "
-        "(SELECT MIN(expires_at) FROM concurrency_slots WHERE run_id > ''), "
+        "(SELECT expires_at FROM concurrency_slots WHERE expires_at IS NOT NULL ORDER BY expires_at LIMIT 1), "
         "(SELECT done_until FROM concurrency_waiters WHERE done_until IS NOT NULL ORDER BY done_until LIMIT 1)"
     ),
     # The clock and the earliest deadline of a dispatch (recovery returns the expired ones).
