@@ -20,7 +20,12 @@ from celery_caps.errors import ConfigurationError, StoreError
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import Admission, ParkOutcome, ParkRequest
 from celery_caps.stores.sql import SCHEMA_VERSION, SQLStore
-from celery_caps.stores.sql.postgresql import WARM_UP_SLOT_PREFIX, PostgreSQLStore, function_statements
+from celery_caps.stores.sql.postgresql import (
+    WARM_UP_SLOT_PREFIX,
+    PostgreSQLStore,
+    function_statements,
+    functions_digest,
+)
 from tests.services import private_sql_url
 
 pytestmark = pytest.mark.postgres
@@ -77,6 +82,37 @@ def test_the_store_for_postgresql_with_psycopg_is_postgresqls_own_with_its_funct
     created = [statement for statement in function_statements() if "CREATE OR REPLACE FUNCTION" in statement]
     names = [statement.split("FUNCTION", 1)[1].split("(", 1)[0].strip() for statement in created]
     assert len(names) == len(set(names)) and names[-1] == "concurrency_slots_schema_version"
+
+
+def test_functions_another_version_of_the_package_created_are_created_again(store: PostgreSQLStore, url: str) -> None:
+    # Given a database whose functions another version of the package created: same schema
+    # version, other bodies and parameter names (here an admission that refuses everything), another digest
+    assert store.status() == [] and store.functions
+    with store.engine.begin() as connection:
+        connection.exec_driver_sql(
+            "DROP FUNCTION concurrency_slots_acquire(text[], integer[], text, text, text, double precision, text)"
+        )
+        connection.exec_driver_sql(
+            "CREATE FUNCTION concurrency_slots_acquire(slots text[], limits integer[], task_id text, run_id text, "
+            "holder text, lease_seconds double precision, task_name text) RETURNS text[] LANGUAGE sql AS "
+            "$$ SELECT ARRAY['stale'] $$"
+        )
+        connection.exec_driver_sql(
+            "CREATE OR REPLACE FUNCTION concurrency_slots_functions_digest() RETURNS text LANGUAGE sql AS "
+            "$$ SELECT 'older' $$"
+        )
+    # When a store of this version starts on it
+    upgraded = store_from_url(url)
+    assert isinstance(upgraded, PostgreSQLStore)
+    try:
+        # Then it creates its own functions again and admits with them
+        admit(upgraded, "digest-slot", "t1")
+        assert upgraded.functions
+        with upgraded.engine.connect() as connection:
+            digest = connection.execute(sa.text("SELECT concurrency_slots_functions_digest()")).scalar()
+        assert digest == functions_digest()
+    finally:
+        upgraded.close()
 
 
 def test_without_its_functions_the_store_runs_the_portable_steps(url: str, caplog: pytest.LogCaptureFixture) -> None:

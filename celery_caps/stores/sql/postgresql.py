@@ -14,6 +14,7 @@ created), it runs as the portable store, with a warning.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -48,11 +49,11 @@ LIMIT_WAIT_SECONDS = 30.0
 
 
 def function_statements() -> list[str]:
-    """The statements of ``postgresql.sql``, in order (a line holding only ``;`` ends one)."""
-    text = resources.files(__package__).joinpath("postgresql.sql").read_text(encoding="utf-8")
+    """The statements of ``postgresql.sql``, in order (a line holding only ``;`` ends one), then
+    the function that names their digest (:func:`functions_digest`)."""
     statements: list[str] = []
     current: list[str] = []
-    for line in text.splitlines():
+    for line in _function_source().splitlines():
         if line.strip() == ";":
             statement = "\n".join(current).strip()
             if any(not part.startswith("--") for part in statement.splitlines() if part.strip()):
@@ -60,7 +61,25 @@ def function_statements() -> list[str]:
             current = []
         else:
             current.append(line)
+    # Before the schema version's function, which stays last: its presence says all are there.
+    statements.insert(
+        len(statements) - 1,
+        "CREATE OR REPLACE FUNCTION concurrency_slots_functions_digest() RETURNS text\n"
+        f"LANGUAGE sql IMMUTABLE AS $$ SELECT '{functions_digest()}' $$",
+    )
     return statements
+
+
+def _function_source() -> str:
+    return resources.files(__package__).joinpath("postgresql.sql").read_text(encoding="utf-8")
+
+
+def functions_digest() -> str:
+    """A digest of ``postgresql.sql``: the functions in a database are created again whenever
+    theirs differs, so that a database set up by another version of the package never runs
+    functions this one does not expect (the schema version alone would not change before the
+    first release)."""
+    return hashlib.sha256(_function_source().encode("utf-8")).hexdigest()[:16]
 
 
 #: Driver connections a forked process inherited: kept referenced (a finaliser would close the
@@ -308,12 +327,16 @@ class PostgreSQLStore(SQLStore):
     # -- the schema ---------------------------------------------------------------------------
 
     def create_schema(self) -> None:
-        """The tables, then the functions unless this schema version's are there already."""
+        """The tables, then the functions unless this version's are there already (same schema
+        version, same digest)."""
         super().create_schema()
         try:
             with self._engine.begin() as connection:
                 connection.exec_driver_sql(POSTGRESQL_CALLS["schema_lock"])
-                if self._schema_version(connection) != SCHEMA_VERSION:
+                if self._installed_functions(connection) != (SCHEMA_VERSION, functions_digest()):
+                    # Dropped first: CREATE OR REPLACE cannot change a function's parameters.
+                    for (drop,) in connection.exec_driver_sql(POSTGRESQL_CALLS["drop_functions"]).all():
+                        connection.exec_driver_sql(drop)
                     for statement in function_statements():
                         connection.exec_driver_sql(statement)
         except sa.exc.SQLAlchemyError as exc:
@@ -324,11 +347,15 @@ class PostgreSQLStore(SQLStore):
         return [*super().schema_statements(), *function_statements()]
 
     @staticmethod
-    def _schema_version(connection: sa.Connection) -> int:
-        """The schema version of the functions on the search path (0: none)."""
+    def _installed_functions(connection: sa.Connection) -> tuple[int, str]:
+        """The schema version and the digest of the functions on the search path (0 and "":
+        none)."""
         if not connection.exec_driver_sql(POSTGRESQL_CALLS["has_schema_version"]).scalar():
-            return 0
-        return int(connection.exec_driver_sql(POSTGRESQL_CALLS["schema_version"]).scalar() or 0)
+            return 0, ""
+        version = int(connection.exec_driver_sql(POSTGRESQL_CALLS["schema_version"]).scalar() or 0)
+        if not connection.exec_driver_sql(POSTGRESQL_CALLS["has_functions_digest"]).scalar():
+            return version, ""
+        return version, str(connection.exec_driver_sql(POSTGRESQL_CALLS["functions_digest"]).scalar() or "")
 
     def _prepare(self) -> None:
         with self._prepare_lock:
@@ -338,20 +365,21 @@ class PostgreSQLStore(SQLStore):
                 self.create_schema()
             try:
                 with self._engine.connect() as connection:
-                    version = self._schema_version(connection)
+                    version, digest = self._installed_functions(connection)
             except sa.exc.SQLAlchemyError as exc:
                 raise self.store_error("checking the schema", exc) from exc
-            self.functions = version == SCHEMA_VERSION
+            self.functions = (version, digest) == (SCHEMA_VERSION, functions_digest())
             if self.functions:
                 self._close_idle_engine(0.0)  # the hot path runs on the driver pool from now on
             if not self.functions:
                 logger.warning(
-                    "%s: the store's functions of schema version %d are missing (found %s; caps_create_schema is "
-                    "off): each step runs as a transaction of several statements instead; create them with "
-                    "`celery caps schema --sql`",
+                    "%s: the store's functions of schema version %d (digest %s) are missing or out of date (found "
+                    "%s; caps_create_schema is off): each step runs as a transaction of several statements instead; "
+                    "create them with `celery caps schema --sql`",
                     self.display_url,
                     SCHEMA_VERSION,
-                    version or "none",
+                    functions_digest(),
+                    f"version {version}, digest {digest or 'none'}" if version else "none",
                 )
             self._schema_ready = True
 

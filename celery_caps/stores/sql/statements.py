@@ -386,6 +386,14 @@ POSTGRESQL_CALLS = {
     ),
     "has_schema_version": "SELECT to_regproc('concurrency_slots_schema_version') IS NOT NULL",
     "schema_version": "SELECT concurrency_slots_schema_version()",
+    "has_functions_digest": "SELECT to_regproc('concurrency_slots_functions_digest') IS NOT NULL",
+    "functions_digest": "SELECT concurrency_slots_functions_digest()",
+    # The statements that drop the store's functions in the schema they are created in.
+    "drop_functions": (
+        "SELECT 'DROP FUNCTION ' || p.oid::regproc || '(' || pg_get_function_identity_arguments(p.oid) || ')' "
+        "FROM pg_proc p WHERE p.pronamespace = current_schema()::regnamespace "
+        "AND (starts_with(p.proname, 'concurrency_slots_') OR starts_with(p.proname, 'concurrency_waiters_'))"
+    ),
     # Serialises workers that start at once and would race to create the functions.
     "schema_lock": "SELECT pg_advisory_xact_lock(hashtext('celery-caps-schema'))",
 }
