@@ -26,18 +26,13 @@ SWEEP_SCHEDULE_NAME = "celery-caps sweep"
 _INSTALLED_ATTRIBUTE = "_celery_caps_installed"
 
 
-def keys_per_cap(store: SlotStore) -> dict[str, int]:
-    """How many distinct keys each keyed cap has (slot names ``name:key``): the store's count,
-    which reads no lease and holds up no admission (never :meth:`~SlotStore.status`)."""
-    return store.keys_per_cap()
-
-
 def sweep_store(store: SlotStore, key_warning_threshold: int) -> int:
     """Delete expired leases; warn about caps with too many keys.  Returns leases deleted."""
     deleted = store.sweep()
     if deleted:
         logger.info("celery-caps sweep: deleted %d expired lease(s)", deleted)
-    for cap_name, keys in sorted(keys_per_cap(store).items()):
+    # The store's count of keys per cap reads no lease and holds up no admission (never status()).
+    for cap_name, keys in sorted(store.keys_per_cap().items()):
         if keys > key_warning_threshold:
             logger.warning(
                 "cap %r has %d distinct keys (caps_key_warning_threshold=%d): keys must come from a "
