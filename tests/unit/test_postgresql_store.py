@@ -383,7 +383,7 @@ def test_prepared_statements_follow_the_url_and_are_on_for_a_direct_connection(
     try:
         assert isinstance(opened, PostgreSQLStore)
         opened.warm_up()
-        [(connection, _)] = opened.pool._idle
+        [(connection, _, _)] = opened.pool._idle
         assert connection.prepare_threshold == threshold
         with opened.engine.connect() as engine_connection:
             assert engine_connection.connection.driver_connection.prepare_threshold == threshold  # type: ignore[union-attr]
@@ -404,7 +404,7 @@ def test_through_pgbouncer_the_default_url_keeps_prepared_statements_off() -> No
     try:
         assert isinstance(opened, PostgreSQLStore)
         opened.warm_up()
-        [(connection, _)] = opened.pool._idle
+        [(connection, _, _)] = opened.pool._idle
         assert connection.prepare_threshold is None
         with opened.engine.connect() as engine_connection:
             assert engine_connection.connection.driver_connection.prepare_threshold is None  # type: ignore[union-attr]

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 import sqlalchemy as sa
@@ -82,6 +82,15 @@ def functions_digest() -> str:
     return hashlib.sha256(_function_source().encode("utf-8")).hexdigest()[:16]
 
 
+class Kept(NamedTuple):
+    """A connection of :class:`DriverPool` not in use, with the cursor its calls reuse."""
+
+    connection: psycopg.Connection[Any]
+    cursor: psycopg.Cursor[Any]
+    #: When it was given back (``time.monotonic()``).
+    returned: float
+
+
 #: Driver connections a forked process inherited: kept referenced (a finaliser would close the
 #: parent's session), never used.
 _INHERITED: list[Any] = []
@@ -112,14 +121,20 @@ class DriverPool:
         self.idle_seconds = idle_seconds
         self.limit = limit
         self._on_reap = on_reap
-        # (connection, when it was given back: time.monotonic()), the most recent last.
-        self._idle: list[tuple[psycopg.Connection[Any], float]] = []
-        self._lock = threading.Condition()
+        # The most recently given back last.
+        self._idle: list[Kept] = []
+        # A plain lock on the hot path (check-out, check-in); its condition only for a call that
+        # waits for room under ``limit`` (``_waiting`` of them: nobody is notified otherwise).
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._waiting = 0
         #: Connections of this process open now (idle or in a call).
         self.open = 0
         self._pid = os.getpid()
         # A rehearsal's connection, used by every call of its thread until it is given back.
         self._pinned = threading.local()
+        self._rehearsing = 0  # rehearsals under way: only then may a thread hold a pinned connection
+        # The reaper thread while it runs (it clears this itself, under the lock, as it ends).
         self._reaper: threading.Thread | None = None
         self._closed = threading.Event()
 
@@ -129,39 +144,38 @@ class DriverPool:
 
         Raises the driver's error, after closing the connection.
         """
-        pinned = getattr(self._pinned, "connection", None)
-        connection = pinned or self._checkout()
+        pinned = getattr(self._pinned, "connection", None) if self._rehearsing else None
+        if pinned is not None:  # (an error: the rehearsal closes it)
+            return _results(pinned.execute(sql, params), fetch)
+        connection, cursor = self._checkout()
         try:
-            cursor = connection.execute(sql, params)
-            # (not cursor.description: psycopg builds its column objects anew at each look)
-            rows = cursor.fetchall() if fetch else []
-            count = cursor.rowcount
+            results = _results(cursor.execute(sql, params), fetch)
         except BaseException:
-            if pinned is None:
-                self._close(connection)
+            self._close(connection)
             raise
-        if pinned is None:
-            self._checkin(connection)
-        return rows, count
+        self._checkin(connection, cursor)
+        return results
 
     @property
     def idle(self) -> int:
         """Connections kept open for the next calls."""
         return len(self._idle)
 
-    def _checkout(self) -> psycopg.Connection[Any]:
+    def _checkout(self) -> tuple[psycopg.Connection[Any], psycopg.Cursor[Any]]:
         if os.getpid() != self._pid:
             self._forget_inherited()
         with self._lock:
             if self._idle:
-                return self._idle.pop()[0]
-        return self._connect()
+                kept = self._idle.pop()
+                return kept.connection, kept.cursor
+        connection = self._connect()
+        return connection, connection.cursor()
 
     def _reserve(self) -> bool:
         """Wait for room for one more connection under ``limit``; count it open.  Returns
         whether an idle connection came back meanwhile instead (the caller takes it)."""
         deadline = time.monotonic() + LIMIT_WAIT_SECONDS
-        with self._lock:
+        with self._room:
             while self.limit is not None and self.open >= self.limit and not self._idle:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -170,7 +184,11 @@ class DriverPool:
                         self.open, LIMIT_WAIT_SECONDS,
                     )  # fmt: skip
                     break
-                self._lock.wait(remaining)
+                self._waiting += 1
+                try:
+                    self._room.wait(remaining)
+                finally:
+                    self._waiting -= 1
             if self._idle and self.limit is not None and self.open >= self.limit:
                 return True
             self.open += 1
@@ -185,7 +203,7 @@ class DriverPool:
                 continue
             with self._lock:
                 if self._idle:
-                    return self._idle.pop()[0]
+                    return self._idle.pop().connection
         try:
             fairy = self._engine.raw_connection()
             connection: psycopg.Connection[Any] = fairy.driver_connection  # type: ignore[assignment]
@@ -194,31 +212,42 @@ class DriverPool:
         except BaseException:
             with self._lock:
                 self.open -= 1
-                self._lock.notify()
+                self._notify()
             raise
         return connection
 
     def _close_oldest_idle(self) -> None:
         with self._lock:
-            oldest = self._idle.pop(0)[0] if self._idle else None
+            oldest = self._idle.pop(0).connection if self._idle else None
         if oldest is not None:
             self._close(oldest)
 
-    def _checkin(self, connection: psycopg.Connection[Any]) -> None:
+    def _checkin(self, connection: psycopg.Connection[Any], cursor: psycopg.Cursor[Any] | None = None) -> None:
         """Keep ``connection`` for the next calls; close those unused for ``idle_seconds``."""
+        if cursor is None:
+            cursor = connection.cursor()
+        now = time.monotonic()
         with self._lock:
-            self._idle.append((connection, time.monotonic()))
-            self._lock.notify()
-        self.close_idle(self.idle_seconds)
-        self._ensure_reaper()
+            self._idle.append(Kept(connection, cursor, now))
+            self._notify()
+            stale = self._idle[0].returned <= now - self.idle_seconds
+        if stale:
+            self.close_idle(self.idle_seconds)
+        if self._reaper is None:
+            self._ensure_reaper()
+
+    def _notify(self) -> None:
+        """Wake one call waiting for room (the lock held)."""
+        if self._waiting:
+            self._room.notify()
 
     def close_idle(self, idle_seconds: float) -> int:
         """Close the connections unused for ``idle_seconds`` or more; returns how many."""
         deadline = time.monotonic() - idle_seconds
         stale = []
         with self._lock:
-            while self._idle and self._idle[0][1] <= deadline:
-                stale.append(self._idle.pop(0)[0])
+            while self._idle and self._idle[0].returned <= deadline:
+                stale.append(self._idle.pop(0).connection)
         for old in stale:
             self._close(old)
         return len(stale)
@@ -230,15 +259,15 @@ class DriverPool:
             logger.debug("closing a store connection failed", exc_info=True)
         with self._lock:
             self.open = max(0, self.open - 1)
-            self._lock.notify()
+            self._notify()
 
     def _ensure_reaper(self) -> None:
         """A thread closing idle connections while nobody calls (started on demand, ends when
         nothing is left to close)."""
-        if self._reaper is not None and self._reaper.is_alive():
+        if self._reaper is not None:
             return
         with self._lock:
-            if self._closed.is_set() or (self._reaper is not None and self._reaper.is_alive()):
+            if self._closed.is_set() or self._reaper is not None:
                 return
             self._reaper = threading.Thread(target=self._reap, name="celery-caps-idle-connections", daemon=True)
             self._reaper.start()
@@ -246,13 +275,21 @@ class DriverPool:
     def _reap(self) -> None:
         pid = os.getpid()
         interval = min(max(self.idle_seconds / 4, 0.05), 10.0)
-        while not self._closed.wait(interval) and os.getpid() == pid:
-            self.close_idle(self.idle_seconds)
-            watching = self._on_reap(self.idle_seconds) if self._on_reap is not None else False
-            with self._lock:
-                if not self._idle and self.open == 0 and not watching:
-                    self._reaper = None
-                    return
+        closed = self._closed
+        try:
+            while not closed.wait(interval) and os.getpid() == pid:
+                self.close_idle(self.idle_seconds)
+                watching = self._on_reap(self.idle_seconds) if self._on_reap is not None else False
+                with self._lock:
+                    if not self._idle and self.open == 0 and not watching:
+                        self._reaper = None
+                        return
+        finally:
+            # Ended otherwise (closed, an error): the next check-in starts another.
+            if os.getpid() == pid:
+                with self._lock:
+                    if self._reaper is threading.current_thread():
+                        self._reaper = None
 
     def watch(self) -> None:
         """Make sure the reaper runs (the store's engine has connections to watch too)."""
@@ -273,6 +310,8 @@ class DriverPool:
             self._forget_inherited()
         connection = self._connect(fresh=True)
         self._pinned.connection = connection
+        with self._lock:
+            self._rehearsing += 1
         try:
             connection.execute("BEGIN")
             yield
@@ -282,15 +321,20 @@ class DriverPool:
             raise
         finally:
             self._pinned.connection = None
+            with self._lock:
+                self._rehearsing = max(0, self._rehearsing - 1)
         if os.getpid() == self._pid:  # (else the parent's, across a fork: left alone)
             self._checkin(connection)
 
     def _forget_inherited(self) -> None:
-        _INHERITED.extend(connection for connection, _returned in self._idle)
+        _INHERITED.extend(kept.connection for kept in self._idle)
         self._idle = []
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._waiting = 0
         self.open = 0
         self._pinned = threading.local()
+        self._rehearsing = 0
         self._reaper = None
         self._closed = threading.Event()
         self._pid = os.getpid()
@@ -302,10 +346,15 @@ class DriverPool:
         self._closed.set()
         with self._lock:
             idle, self._idle = self._idle, []
-        for connection, _returned in idle:
-            self._close(connection)
+        for kept in idle:
+            self._close(kept.connection)
         self._closed = threading.Event()  # (usable again: a store may be used after close)
         self._reaper = None
+
+
+def _results(cursor: psycopg.Cursor[Any], fetch: bool) -> tuple[list[tuple[Any, ...]], int]:
+    # (not cursor.description: psycopg builds its column objects anew at each look)
+    return (cursor.fetchall() if fetch else []), cursor.rowcount
 
 
 class PostgreSQLStore(SQLStore):
