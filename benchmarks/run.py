@@ -16,6 +16,7 @@ Prints one table and writes the figures, the machine and the arguments as JSON
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
@@ -28,7 +29,6 @@ from pathlib import Path
 # (a PYTHONPATH naming a snapshot of celery_caps makes that snapshot the one measured).
 sys.path.append(str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import connections, growth, scaling, store_ops, task_overhead, utilisation
 from benchmarks.common import (
     REPO_ROOT,
     RESULTS_DIR,
@@ -44,13 +44,15 @@ from benchmarks.common import (
 )
 from benchmarks.utilisation import STRATEGIES as UTILISATION_STRATEGIES
 
+#: Part -> its module, imported when the part runs (a snapshot of an older celery_caps on
+#: PYTHONPATH can then run the parts it has the names for).
 PARTS = {
-    "store": store_ops.run,
-    "overhead": task_overhead.run,
-    "utilisation": utilisation.run,
-    "scaling": scaling.run,
-    "growth": growth.run,
-    "connections": connections.run,
+    "store": "store_ops",
+    "overhead": "task_overhead",
+    "utilisation": "utilisation",
+    "scaling": "scaling",
+    "growth": "growth",
+    "connections": "connections",
 }
 #: The parts that use the shared benchmark databases (dropped at a run's start and end).
 _SHARED_DATABASE_PARTS = {"store", "overhead", "utilisation", "scaling"}
@@ -188,7 +190,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, rounds: int) -> int:
             steal = CpuSteal()
             options.log(f"== {part} ==")
             try:
-                PARTS[part](report, options)
+                importlib.import_module(f"benchmarks.{PARTS[part]}").run(report, options)
             except Exception as exc:
                 failed.append(part)
                 report.note(f"part {part} failed: {type(exc).__name__}: {str(exc)[:300]}")
