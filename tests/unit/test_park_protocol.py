@@ -606,4 +606,13 @@ def test_park_never_loses_a_task_nor_runs_one_twice_without_a_redelivery(protoco
 @pytest.mark.chaos
 def test_park_protocol_long(protocol_target: StoreTarget | None) -> None:
     simulated = protocol_target is None
-    _run(make_machine(protocol_target, simulated), examples=4000 if simulated else 12, steps=120 if simulated else 60)
+    if simulated:
+        examples, steps = 2500, 120
+    elif protocol_target is not None and protocol_target.kind.id in REDIS_TOPOLOGY_KINDS:
+        # The redis row's scripts behind another client: the default run's budget (about 40 s on
+        # each topology, against 70 with the long budget, which the redis row itself runs).
+        examples, steps = 6, 40
+    else:
+        # About 45-95 s a store; CI runs the chaos marker within a bound (.ci/run).
+        examples, steps = 9, 60
+    _run(make_machine(protocol_target, simulated), examples=examples, steps=steps)
