@@ -25,6 +25,35 @@ from tests.services import (
     store_url_for,
 )
 
+
+def _reentrant_pubsub_lock() -> None:
+    """Give redis-py's PubSub the reentrant lock later redis-py versions have, in the test process.
+
+    redis-py 5.3 (celery54's) guards a PubSub connection with a plain ``Lock``.  Celery's
+    ``AsyncResult.__del__`` unsubscribes through the result consumer's PubSub.  When the garbage
+    collector runs that ``__del__`` in the middle of a PubSub command of the same consumer (a
+    ``send_task`` subscribing to its result), the test process waits on itself for ever.  Seen
+    once, in CI's celery54 run (test_lifecycle's hard time limit test, stuck in ``subscribe`` ->
+    ``__del__`` -> ``unsubscribe``).  redis-py 8 uses an ``RLock`` there; this does the same for the
+    older one.  It is not celery-caps code: the package creates no AsyncResult.
+    """
+    import redis.client
+
+    plain_lock = type(threading.Lock())
+    original_init = redis.client.PubSub.__init__
+
+    def init(self: redis.client.PubSub, *args: object, **kwargs: object) -> None:
+        original_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        if type(self._lock) is plain_lock:
+            self._lock = threading.RLock()  # type: ignore[assignment]
+
+    if not getattr(original_init, "_caps_reentrant", False):
+        init._caps_reentrant = True  # type: ignore[attr-defined]
+        redis.client.PubSub.__init__ = init  # type: ignore[method-assign]
+
+
+_reentrant_pubsub_lock()
+
 #: Seconds a test phase may outlive its pytest-timeout limit before the watchdog ends the run.
 WATCHDOG_GRACE_SECONDS = 120.0
 #: Seconds after that before faulthandler's own thread ends it, if the watchdog thread never got the GIL.
