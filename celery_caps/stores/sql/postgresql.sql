@@ -358,6 +358,8 @@ END $$
 CREATE OR REPLACE FUNCTION concurrency_waiters_settle(
     p_task_id text, p_run_id text, p_holder text, p_done_until double precision, p_minimum integer
 ) RETURNS void LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_slots text[];
 BEGIN
     WITH kept AS (
         UPDATE concurrency_waiters w SET done_until = p_done_until, claimed_by = p_holder
@@ -369,8 +371,15 @@ BEGIN
         WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
             AND w.dispatches < p_minimum
         RETURNING w.slot)
-    UPDATE concurrency_waitlists n SET entries = n.entries - 1
-    WHERE n.slot IN (SELECT kept.slot FROM kept UNION ALL SELECT gone.slot FROM gone);
+    SELECT array_agg(settled.slot) INTO v_slots
+    FROM (SELECT kept.slot FROM kept UNION ALL SELECT gone.slot FROM gone) AS settled;
+    IF v_slots IS NULL THEN
+        RETURN;
+    END IF;
+    -- The count rows in slot order, the order a park adds to them in: a claim holding one of two
+    -- slots' rows while a park of the same two slots holds the other would wait for each other.
+    PERFORM 1 FROM concurrency_waitlists n WHERE n.slot = ANY(v_slots) ORDER BY n.slot FOR UPDATE;
+    UPDATE concurrency_waitlists n SET entries = n.entries - 1 WHERE n.slot = ANY(v_slots);
 END $$
 ;
 
