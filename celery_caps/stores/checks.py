@@ -32,6 +32,8 @@ def _describe(value: object) -> str:
 
 def text(name: str, value: object, *, longest: int = MAX_ID_LENGTH) -> None:
     """A task id, run id, holder or slot name: a non-empty string a store can keep."""
+    if type(value) is str and value and len(value) <= longest and value.isprintable():
+        return  # the common case, on every store call: printable excludes what _UNSTORABLE finds
     if not isinstance(value, str) or not value:
         raise StoreInputError(f"{name} must be a non-empty string, got {_describe(value)}")
     if len(value) > longest:
