@@ -51,6 +51,10 @@ class Dialect:
     retryable_codes: frozenset[Any] = frozenset()
     #: Whether a single statement runs in autocommit (no BEGIN and COMMIT round trips around it).
     autocommit_single_statements: bool = False
+    #: Whether the driver takes ``:name`` binds as written (SQLite's does): a statement without a
+    #: list bind then goes to it as its text, without SQLAlchemy compiling it on every call (most
+    #: of SQLite's time per statement; see :meth:`.Statements.execute`).
+    binds_as_written: bool = False
 
     def exact(self, value: str) -> str | bytes:
         """A value for a name column through SQLAlchemy Core: bytes for MySQL's ``VARBINARY``."""
@@ -117,6 +121,7 @@ SQLITE = Dialect(
     for_update="",
     for_update_skip_locked="",
     cap_of_slot="substr(slot, 1, instr(slot, ':') - 1)",
+    binds_as_written=True,
 )
 
 _DIALECTS = {"postgresql": POSTGRESQL, "mysql": MYSQL, "mariadb": MYSQL, "sqlite": SQLITE}

@@ -169,7 +169,7 @@ class SQLLeaseStore(SlotStore):
         found: set[str] = set()
         listed = list(values)
         for start in range(0, len(listed), BATCH):
-            rows = connection.execute(self.statements[statement], {name: listed[start : start + BATCH]})
+            rows = self.statements.execute(connection, statement, {name: listed[start : start + BATCH]})
             found.update(as_text(row[0]) for row in rows)
         return found
 
@@ -177,20 +177,21 @@ class SQLLeaseStore(SlotStore):
 
     def _lock_sentinels(self, connection: Connection, slots: Mapping[str, int], params: dict[str, Any]) -> None:
         """Lock the slots' sentinels, in slot order, creating missing ones (recording the limits)."""
-        connection.execute(self.statements.for_slots("lock_sentinels", len(slots)), params)
+        self.statements.execute_for_slots(connection, "lock_sentinels", len(slots), params)
 
     def _full_slots(self, connection: Connection, slots: Mapping[str, int], params: dict[str, Any]) -> list[str]:
         """Count live holders (in a statement after the locks): the full slots, sorted (a slot the
         task holds already is not full for it)."""
-        count_live = self.statements.for_slots("count_live", len(slots))
         return sorted(
             as_text(slot)
-            for slot, holders, holds_already in connection.execute(count_live, params)
+            for slot, holders, holds_already in self.statements.execute_for_slots(
+                connection, "count_live", len(slots), params
+            )
             if not holds_already and holders >= slots[as_text(slot)]
         )
 
     def _insert_leases(self, connection: Connection, count: int, params: dict[str, Any]) -> None:
-        connection.execute(self.statements.for_slots("insert_leases", count), params)
+        self.statements.execute_for_slots(connection, "insert_leases", count, params)
 
     def acquire(
         self,
@@ -219,8 +220,8 @@ class SQLLeaseStore(SlotStore):
         params = {"run_ids": list(run_ids), "lease_seconds": lease_seconds}
 
         def renew(connection: Connection) -> dict[str, int]:
-            connection.execute(self.statements["renew"], params)
-            return {run_id: count for run_id, count in connection.execute(self.statements["renewed"], params)}
+            self.statements.execute(connection, "renew", params)
+            return {run_id: count for run_id, count in self.statements.execute(connection, "renewed", params)}
 
         return self._transaction(renew)
 
@@ -228,7 +229,7 @@ class SQLLeaseStore(SlotStore):
 
     def _delete(self, statement: str, params: dict[str, Any]) -> int:
         return self._transaction(
-            lambda connection: int(connection.execute(self.statements[statement], params).rowcount),
+            lambda connection: int(self.statements.execute(connection, statement, params).rowcount),
             single_statement=True,
         )
 
@@ -248,24 +249,24 @@ class SQLLeaseStore(SlotStore):
             """At most :data:`SWEEP_BATCH` expired leases and as many old tombstones, by the store's
             clock read once (a clock read per row could use no index): the leases deleted, and
             whether more may be left."""
-            now = connection.execute(statements["now"]).scalar_one()
+            now = statements.execute(connection, "now").scalar_one()
             params = {"now": now, "batch": SWEEP_BATCH}
             deleted, more = 0, False
             for find, delete, name in (
                 ("expired_runs", "sweep", "run_ids"),
                 ("old_tombstones", "sweep_tombstones", "task_ids"),
             ):
-                rows = connection.execute(statements[find], params).all()
+                rows = statements.execute(connection, find, params).all()
                 if rows:
                     found = sorted({row[0] for row in rows})
-                    count = int(connection.execute(statements[delete], {**params, name: found}).rowcount)
+                    count = int(statements.execute(connection, delete, {**params, name: found}).rowcount)
                     more = more or len(rows) >= SWEEP_BATCH
                     if name == "run_ids":
                         deleted = count
             return deleted, more
 
         def anything_expired(connection: Connection) -> bool:
-            now, lease, tombstone = connection.execute(statements["next_expiries"]).one()
+            now, lease, tombstone = statements.execute(connection, "next_expiries").one()
             return any(expiry is not None and expiry <= now for expiry in (lease, tombstone))
 
         if not self._transaction(anything_expired, read_only=True):
@@ -280,7 +281,7 @@ class SQLLeaseStore(SlotStore):
         pattern = {"pattern": self.dialect.exact("%:%")}
 
         def read(connection: Connection) -> dict[str, int]:
-            rows = connection.execute(self.statements["keys_per_cap"], pattern)
+            rows = self.statements.execute(connection, "keys_per_cap", pattern)
             return {as_text(cap): int(keys) for cap, keys in rows}
 
         return self._transaction(read, read_only=True)
@@ -291,7 +292,7 @@ class SQLLeaseStore(SlotStore):
         def read(connection: Connection) -> list[SlotStatus]:
             return [
                 SlotStatus(as_text(slot), limit, int(holders), int(expired))
-                for slot, limit, holders, expired in connection.execute(self.statements["status"])
+                for slot, limit, holders, expired in self.statements.execute(connection, "status")
             ]
 
         return self._transaction(read, read_only=True)
@@ -300,7 +301,7 @@ class SQLLeaseStore(SlotStore):
         statement, params = ("leases_all", {}) if slot is None else ("leases_of_slot", {"slot": slot})
 
         def read(connection: Connection) -> list[Lease]:
-            rows = connection.execute(self.statements[statement], params)
+            rows = self.statements.execute(connection, statement, params)
             return [
                 Lease(
                     as_text(name),
@@ -322,24 +323,24 @@ class SQLLeaseStore(SlotStore):
         statements = self.statements
 
         def prune(connection: Connection) -> list[str]:
-            candidates = statements["prune_candidates" if dry_run else "prune_locked_candidates"]
-            slots = [row[0] for row in connection.execute(candidates, {"pattern": pattern})]
+            candidates = "prune_candidates" if dry_run else "prune_locked_candidates"
+            slots = [row[0] for row in statements.execute(connection, candidates, {"pattern": pattern})]
             held: set[Any] = set()
             for start in range(0, len(slots), BATCH):
                 batch = slots[start : start + BATCH]
-                held.update(row[0] for row in connection.execute(statements["prune_live"], {"slots": batch}))
+                held.update(row[0] for row in statements.execute(connection, "prune_live", {"slots": batch}))
                 # The slots parked tasks wait for (waiting or dispatched) stay.
-                held.update(row[0] for row in connection.execute(statements["prune_waited"], {"slots": batch}))
+                held.update(row[0] for row in statements.execute(connection, "prune_waited", {"slots": batch}))
             doomed = [slot for slot in slots if slot not in held]
             if not dry_run:
                 for start in range(0, len(doomed), BATCH):
                     batch = doomed[start : start + BATCH]
-                    connection.execute(statements["prune_delete"], {"slots": batch})
-                    connection.execute(statements["prune_waitlists"], {"slots": batch})
+                    statements.execute(connection, "prune_delete", {"slots": batch})
+                    statements.execute(connection, "prune_waitlists", {"slots": batch})
                     # A tombstone of a task that needed a pruned slot goes whole.
                     tombstones = self._names(connection, "prune_tombstones", "slots", batch)
                     if tombstones:
-                        connection.execute(statements["delete_tombstones"], {"task_ids": sorted(tombstones)})
+                        statements.execute(connection, "delete_tombstones", {"task_ids": sorted(tombstones)})
             return sorted(as_text(slot) for slot in doomed)
 
         return self._transaction(prune)

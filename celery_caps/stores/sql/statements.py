@@ -3,7 +3,7 @@
 ``{now}`` in a template is the dialect's clock (:attr:`Dialect.now`), ``{for_update}`` and
 ``{skip_locked}`` its row locks; ``:slots`` and ``:task_ids`` are lists (expanding binds).
 The admission statements over several slots (``{values}``/``{slots}``) are built per number
-of slots by :meth:`Statements.for_slots`.
+of slots by :meth:`Statements.execute_for_slots`.
 
 The waiting list's states, by column: waiting (``dispatch_run_id`` NULL), dispatched
 (``dispatch_run_id`` set, ``done_until`` NULL), tombstone (``done_until`` set; it keeps its
@@ -15,12 +15,16 @@ lost a race to another changes nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection, CursorResult
 
 from ..base import DISPATCH_HOLDER
 from .dialects import Dialect
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's own from Python 3.11
 
 # -- admission (one statement per number of slots) -------------------------------------------
 
@@ -287,37 +291,54 @@ TEMPLATES: dict[str, str] = {
 _LISTS = ("slots", "task_ids", "run_ids")
 
 
+class _Prepared(NamedTuple):
+    statement: sa.TextClause
+    #: The text for the driver as it is (see :attr:`Dialect.binds_as_written`), or None.
+    as_written: str | None
+
+
 class Statements:
-    """The statements of :data:`TEMPLATES` compiled for one dialect (``statements["sweep"]``),
-    and the admission statements per number of slots."""
+    """The statements of :data:`TEMPLATES` compiled for one dialect, and the admission statements
+    per number of slots; :meth:`execute` runs one by name."""
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
         self._compiled = {name: self._compile(template) for name, template in TEMPLATES.items()}
-        self._by_count: dict[tuple[str, int], sa.TextClause] = {}
+        self._by_count: dict[tuple[str, int], _Prepared] = {}
 
-    def _compile(self, template: str) -> sa.TextClause:
+    def _compile(self, template: str) -> _Prepared:
         dialect = self.dialect
-        text = template.format(
-            now=dialect.now,
-            for_update=dialect.for_update,
-            skip_locked=dialect.for_update_skip_locked,
-            cap_of_slot=dialect.cap_of_slot,
+        return self._prepare(
+            template.format(
+                now=dialect.now,
+                for_update=dialect.for_update,
+                skip_locked=dialect.for_update_skip_locked,
+                cap_of_slot=dialect.cap_of_slot,
+            )
         )
+
+    def _prepare(self, text: str) -> _Prepared:
         statement = sa.text(text)
-        for name in _LISTS:
-            if f":{name}" in text:
-                statement = statement.bindparams(sa.bindparam(name, expanding=True))
-        return statement
+        lists = [name for name in _LISTS if f":{name}" in text]
+        for name in lists:
+            statement = statement.bindparams(sa.bindparam(name, expanding=True))
+        # A list bind needs SQLAlchemy to expand it; without one, a driver that reads ``:name``
+        # binds takes the text as written.
+        return _Prepared(statement, text if self.dialect.binds_as_written and not lists else None)
 
-    def __getitem__(self, name: str) -> sa.TextClause:
-        return self._compiled[name]
+    def execute(
+        self, connection: Connection, name: str, params: Mapping[str, Any] | None = None
+    ) -> CursorResult[Unpack[tuple[Any, ...]]]:
+        """Run the statement ``name`` of :data:`TEMPLATES` with ``params`` on ``connection``."""
+        return _run(connection, self._compiled[name], params)
 
-    def for_slots(self, kind: str, count: int) -> sa.TextClause:
-        """``kind`` (``"lock_sentinels"``, ``"count_live"`` or ``"insert_leases"``) over ``count``
-        slots, bound as ``:s0``.. in slot order (see :func:`admission_params`)."""
-        statement = self._by_count.get((kind, count))
-        if statement is None:
+    def execute_for_slots(
+        self, connection: Connection, kind: str, count: int, params: Mapping[str, Any]
+    ) -> CursorResult[Unpack[tuple[Any, ...]]]:
+        """Run ``kind`` (``"lock_sentinels"``, ``"count_live"`` or ``"insert_leases"``) over
+        ``count`` slots, bound as ``:s0``.. in slot order (see :func:`admission_params`)."""
+        prepared = self._by_count.get((kind, count))
+        if prepared is None:
             dialect = self.dialect
             template, row = {
                 "lock_sentinels": (dialect.lock_sentinels, SENTINEL_ROW),
@@ -326,9 +347,17 @@ class Statements:
             }[kind]
             values = ", ".join(row.format(i=i, now=dialect.now) for i in range(count))
             slots = ", ".join(f":s{i}" for i in range(count))
-            statement = sa.text(template.format(values=values, slots=slots, now=dialect.now))
-            self._by_count[(kind, count)] = statement
-        return statement
+            prepared = self._prepare(template.format(values=values, slots=slots, now=dialect.now))
+            self._by_count[(kind, count)] = prepared
+        return _run(connection, prepared, params)
+
+
+def _run(
+    connection: Connection, prepared: _Prepared, params: Mapping[str, Any] | None
+) -> CursorResult[Unpack[tuple[Any, ...]]]:
+    if prepared.as_written is not None:
+        return connection.exec_driver_sql(prepared.as_written, params if params is not None else {})
+    return connection.execute(prepared.statement, params)
 
 
 def admission_params(

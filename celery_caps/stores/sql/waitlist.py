@@ -50,7 +50,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             # The same locks as acquire, then (read after them) the task's entry and the room:
             # parking is atomic with admission.
             self._lock_sentinels(connection, slots, params)
-            if connection.execute(statements["task_listed"], params).first() is not None:
+            if statements.execute(connection, "task_listed", params).first() is not None:
                 return ParkOutcome.WAITING
             if not self._full_slots(connection, slots, params):
                 self._insert_leases(connection, len(ordered), params)
@@ -59,12 +59,12 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 return ParkOutcome.FULL
             listed = {
                 as_text(slot): int(entries)
-                for slot, entries in connection.execute(statements["listed_per_slot"], {"slots": ordered})
+                for slot, entries in statements.execute(connection, "listed_per_slot", {"slots": ordered})
             }
             if any(entries >= request.max_waiters for entries in listed.values()):
                 return ParkOutcome.LIST_FULL
-            dispatches = connection.execute(statements["tombstone_dispatches"], params).scalar() or 0
-            connection.execute(statements["delete_tombstone"], params)
+            dispatches = statements.execute(connection, "tombstone_dispatches", params).scalar() or 0
+            statements.execute(connection, "delete_tombstone", params)
             parked_at: sa.ColumnElement[Any] = sa.literal_column(self.dialect.now)  # the store's clock
             rows = [
                 {
@@ -84,7 +84,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             # The lists' counts last (see listed_per_slot).
             counted = [slot for slot in ordered if slot in listed]
             if counted:
-                connection.execute(statements["list_entry"], {"slots": counted})
+                statements.execute(connection, "list_entry", {"slots": counted})
             uncounted = [{"slot": self.dialect.exact(slot), "entries": 1} for slot in ordered if slot not in listed]
             if uncounted:
                 connection.execute(concurrency_waitlists.insert(), uncounted)
@@ -106,14 +106,14 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         """
         statements = self.statements
         live: dict[str, set[str]] = defaultdict(set)
-        for slot, task_id in connection.execute(statements["live"], {"slots": locked}):
+        for slot, task_id in statements.execute(connection, "live", {"slots": locked}):
             live[as_text(slot)].add(as_text(task_id))
         limits: dict[str, int] = {}
         chosen: list[tuple[str, str]] = []
         after: dict[str, Any] = {"first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
         while True:
-            rows = connection.execute(
-                statements["waiting_rows"], {"slots": locked, "batch": WAITING_BATCH, **after}
+            rows = statements.execute(
+                connection, "waiting_rows", {"slots": locked, "batch": WAITING_BATCH, **after}
             ).all()
             waiting: dict[str, dict[str, Any]] = {}
             for task_id, slot, limit, count, first, parked, task_name in rows:
@@ -140,7 +140,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 params = admission_params(
                     needed, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds, waiter["task_name"]
                 )
-                if not connection.execute(statements["mark_dispatched"], params).rowcount:
+                if not statements.execute(connection, "mark_dispatched", params).rowcount:
                     continue  # no longer waiting: a readmit or a forget took it since it was read
                 self._insert_leases(connection, len(needed), params)
                 for slot in needed:
@@ -157,7 +157,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         for task_id in task_ids:
             run_id = uuid.uuid4().hex
             params = {"task_id": task_id, "run_id": run_id, "lease_seconds": dispatch_lease_seconds}
-            if connection.execute(self.statements["mark_dispatched"], params).rowcount:
+            if self.statements.execute(connection, "mark_dispatched", params).rowcount:
                 chosen.append((task_id, run_id))
         return self._woken(connection, chosen, readmit=True)
 
@@ -167,7 +167,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         task_ids = [task_id for task_id, _run_id in chosen]
         for start in range(0, len(task_ids), BATCH):
             batch = task_ids[start : start + BATCH]
-            for task_id, payload, task_name in connection.execute(self.statements["payloads"], {"task_ids": batch}):
+            for task_id, payload, task_name in self.statements.execute(connection, "payloads", {"task_ids": batch}):
                 found.setdefault(as_text(task_id), (bytes(payload), task_name))
         return [Woken(task_id, run_id, *found[task_id], readmit=readmit) for task_id, run_id in chosen]
 
@@ -175,7 +175,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         """Lock the sentinels of ``slots`` in slot order, waiting for them; the slots locked."""
         if not slots:
             return []
-        rows = connection.execute(self.statements["lock"], {"slots": sorted(slots)})
+        rows = self.statements.execute(connection, "lock", {"slots": sorted(slots)})
         return sorted(as_text(row[0]) for row in rows)
 
     def _waiting_slots(self, connection: Connection, slots: Collection[str]) -> set[str]:
@@ -197,7 +197,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         waiting = self._waiting_slots(connection, locked)
         more = sorted(waiting - set(locked))
         if more:
-            locked += [as_text(row[0]) for row in connection.execute(self.statements["lock_more"], {"slots": more})]
+            locked += [as_text(row[0]) for row in self.statements.execute(connection, "lock_more", {"slots": more})]
         if not waiting:
             return []
         return self._dispatch(connection, sorted(locked), dispatch_lease_seconds, touching=set(released))
@@ -209,8 +209,8 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         waiters of those slots, in one transaction."""
 
         def release(connection: Connection) -> tuple[int, list[Woken]]:
-            slots = [as_text(row[0]) for row in connection.execute(self.statements[slots_of], params)]
-            deleted = int(connection.execute(self.statements[delete], params).rowcount)
+            slots = [as_text(row[0]) for row in self.statements.execute(connection, slots_of, params)]
+            deleted = int(self.statements.execute(connection, delete, params).rowcount)
             if not deleted:
                 return 0, []
             return deleted, self._wake_after_release(connection, slots, dispatch_lease_seconds)
@@ -248,25 +248,25 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             """The entry dispatched to this run leaves the list: a tombstone if dispatched more than
             once (copies of its other dispatches may be on their way), or ``tombstone``."""
             minimum = {**params, "minimum": 0 if tombstone else 2}
-            slots = sorted({as_text(row[0]) for row in connection.execute(statements["settling_slots"], params)})
-            settled = connection.execute(statements["settle_tombstone"], minimum).rowcount
-            settled += connection.execute(statements["settle_delete"], minimum).rowcount
+            slots = sorted({as_text(row[0]) for row in statements.execute(connection, "settling_slots", params)})
+            settled = statements.execute(connection, "settle_tombstone", minimum).rowcount
+            settled += statements.execute(connection, "settle_delete", minimum).rowcount
             if settled and slots:
-                connection.execute(statements["unlist_entry"], {"slots": slots})
+                statements.execute(connection, "unlist_entry", {"slots": slots})
 
         def claim(connection: Connection) -> ClaimOutcome:
             # The dispatch's leases (locked), then the entry: the order of every step that changes both.
-            leases = connection.execute(statements["claim_leases"], params).all()
+            leases = statements.execute(connection, "claim_leases", params).all()
             live = [lease_holder for lease_holder, alive in leases if alive]
             # (A lease already the run's: the same claim again, its reply lost.)
             if live and len(live) == len(leases) and all(owner in (DISPATCH_HOLDER, holder) for owner in live):
-                connection.execute(statements["claim"], params)
+                statements.execute(connection, "claim", params)
                 settle(connection, tombstone=False)
                 return ClaimOutcome.RUN
             if any(owner != DISPATCH_HOLDER for owner in live):
                 return other_copy  # another copy's run holds the dispatch's slots
-            connection.execute(statements["delete_dispatch_leases"], params)
-            entry = connection.execute(statements["lock_entry"], params).first()
+            statements.execute(connection, "delete_dispatch_leases", params)
+            entry = statements.execute(connection, "lock_entry", params).first()
             if entry is None:
                 return ClaimOutcome.ADMIT
             dispatch_run_id, done_until, claimed_by, _slot = entry
@@ -292,25 +292,25 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             # Every dispatch lease of the task first (a release's, or one taken when it was sent:
             # that has no entry), as a claim takes them before the entry; never a run's lease,
             # whose holder is the run's.
-            freed = [as_text(row[0]) for row in connection.execute(statements["holder_slots"], params)]
-            deleted = connection.execute(statements["release_holder"], params).rowcount
+            freed = [as_text(row[0]) for row in statements.execute(connection, "holder_slots", params)]
+            deleted = statements.execute(connection, "release_holder", params).rowcount
             woken = self._wake_after_release(connection, freed, dispatch_lease_seconds) if deleted else []
             # Then the entry.  Each change is conditional on the state just read: one that lost a
             # race (a dispatch, a claim, a recovery in between) changes nothing, and it is read again.
             for _ in range(_FORGET_ATTEMPTS):
-                rows = connection.execute(statements["entry"], params).all()
+                rows = statements.execute(connection, "entry", params).all()
                 if not rows or rows[0][1] is not None:
                     return 0, woken  # no entry, or a tombstone
                 dispatch_run_id = rows[0][0]
                 # (An entry's slots never change: it is made whole by one park.)
                 slots = {"slots": sorted({as_text(row[3]) for row in rows})}
                 if dispatch_run_id is None:
-                    if connection.execute(statements["delete_waiting"], params).rowcount:
-                        connection.execute(statements["unlist_entry"], slots)
+                    if statements.execute(connection, "delete_waiting", params).rowcount:
+                        statements.execute(connection, "unlist_entry", slots)
                         return 1, woken
                     continue
-                if connection.execute(statements["tombstone"], {**params, "run_id": dispatch_run_id}).rowcount:
-                    connection.execute(statements["unlist_entry"], slots)
+                if statements.execute(connection, "tombstone", {**params, "run_id": dispatch_run_id}).rowcount:
+                    statements.execute(connection, "unlist_entry", slots)
                     return 1, woken
             raise StoreError(f"forget failed on {self.display_url}: the entry of {task_id!r} kept changing")
 
@@ -335,7 +335,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 cap_slots: set[str] = set()
                 for cap in sorted(set(caps)):
                     pattern = {"cap": cap, "pattern": self.dialect.exact(like_prefix(cap + ":"))}
-                    cap_slots.update(as_text(row[0]) for row in connection.execute(statements["cap_slots"], pattern))
+                    cap_slots.update(as_text(row[0]) for row in statements.execute(connection, "cap_slots", pattern))
                 if not cap_slots:
                     return []
                 of_slots = {"slots": sorted(cap_slots)}
@@ -343,26 +343,26 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             # Dispatches past their deadline wait again at their place: their leases first, as a
             # claim takes them, one dispatch after the other in task order (so concurrent
             # recoveries never wait for each other in a circle).
-            expired = statements["expired_dispatches" if caps is None else "expired_dispatches_of"]
-            now, deadline = connection.execute(statements["next_dispatch_deadline"]).one()
+            expired = "expired_dispatches" if caps is None else "expired_dispatches_of"
+            now, deadline = statements.execute(connection, "next_dispatch_deadline").one()
             due: Sequence[Any] = []
             if deadline is not None and deadline <= now:
-                due = connection.execute(expired, {**of_slots, "now": now}).all()
+                due = statements.execute(connection, expired, {**of_slots, "now": now}).all()
             for task_id, dispatch_run_id in due:
                 dispatch = {"task_id": task_id, "run_id": dispatch_run_id}
-                connection.execute(statements["delete_dispatch_leases"], dispatch)
-                connection.execute(statements["undispatch"], dispatch)
+                statements.execute(connection, "delete_dispatch_leases", dispatch)
+                statements.execute(connection, "undispatch", dispatch)
             overdue: list[str] = []
-            first = None if readmit_before is None else connection.execute(statements["first_waiting_since"]).scalar()
+            first = None if readmit_before is None else statements.execute(connection, "first_waiting_since").scalar()
             if readmit_before is not None and first is not None and first < readmit_before:
-                statement = statements["overdue" if caps is None else "overdue_of"]
-                rows = connection.execute(statement, {"before": readmit_before, **of_slots})
+                statement = "overdue" if caps is None else "overdue_of"
+                rows = statements.execute(connection, statement, {"before": readmit_before, **of_slots})
                 overdue = [as_text(row[0]) for row in rows]
             # The slots where a waiter may fit (read without locks: a slot that gains room after
             # this read is served by its release, or by the next recovery), and the other slots
             # their waiters need.
             if considered is None:
-                room = {as_text(row[0]) for row in connection.execute(statements["all_slots_with_room"])}
+                room = {as_text(row[0]) for row in statements.execute(connection, "all_slots_with_room")}
             else:
                 room = self._names(connection, "slots_with_room", "slots", considered)
             walked = room | self._waiting_slots(connection, room)
@@ -380,7 +380,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
 
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
         def readmit(connection: Connection) -> list[Woken]:
-            rows = connection.execute(self.statements["waiting_of_slot"], {"slot": slot})
+            rows = self.statements.execute(connection, "waiting_of_slot", {"slot": slot})
             task_ids = [as_text(row[0]) for row in rows]
             if not task_ids:
                 return []
@@ -396,8 +396,8 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         def read(connection: Connection) -> list[Waiter]:
             result = []
             positions: dict[str, int] = defaultdict(int)
-            for name, task_id, task_name, first, age, dispatch_run_id in connection.execute(
-                self.statements[statement], params
+            for name, task_id, task_name, first, age, dispatch_run_id in self.statements.execute(
+                connection, statement, params
             ):
                 name = as_text(name)
                 positions[name] += 1
