@@ -3,7 +3,7 @@
 Where to look:
 
 * :mod:`.schema`: the four tables (``metadata`` for your own migrations);
-* :mod:`.statements`: every SQL statement, by name;
+* :mod:`.statements`: every SQL statement, by name, and how it runs (``Statements.execute``);
 * :mod:`.dialects`: what differs between the databases, and their engines' options;
 * :mod:`.leases`: admission, renewal, release and the operators' reads, in portable SQL;
 * :mod:`.waitlist`: the waiting list of the park strategy, in portable SQL;
