@@ -190,6 +190,9 @@ class Record:
     received: Counter[str]
     callbacks: Counter[str]
     runs: list[Run]
+    #: Deliveries the broker marked redelivered, per task id: a copy that parked or ended
+    #: counts too, though no run of it shows the mark (a parked copy runs as a woken one).
+    redelivered: Counter[str] = field(default_factory=Counter)
 
     def runs_of(self, task_id: str) -> list[Run]:
         return sorted((run for run in self.runs if run.task_id == task_id), key=lambda run: run.start)
@@ -437,7 +440,15 @@ class Fleet:
                 )
             )
         peaks = {key: int(value) for key, value in counts("peaks").items()}
-        return Record(peaks, counts("starts"), counts("done"), counts("received"), counts("callbacks"), runs)
+        return Record(
+            peaks,
+            counts("starts"),
+            counts("done"),
+            counts("received"),
+            counts("callbacks"),
+            runs,
+            counts("redelivered"),
+        )
 
     # -- the slot store -----------------------------------------------------------
 

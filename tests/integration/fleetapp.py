@@ -174,10 +174,13 @@ class Recorder:
         keys += [self.key(f"live:{counter}") for counter in counters]
         self.client.eval(_EXIT, len(keys), *keys, token, task_id, "1" if completed else "0")
 
-    def received(self, task_id: str, hostname: str) -> None:
-        """Count a delivery of ``task_id`` and remember which worker received it."""
+    def received(self, task_id: str, hostname: str, redelivered: bool = False) -> None:
+        """Count a delivery of ``task_id`` (and, apart, one the broker marked redelivered) and
+        remember which worker received it."""
         pipe = self.client.pipeline(transaction=False)
         pipe.hincrby(self.key("received"), task_id, 1)
+        if redelivered:
+            pipe.hincrby(self.key("redelivered"), task_id, 1)
         pipe.sadd(self.key(f"received-on:{hostname}"), task_id)
         pipe.hset(self.key("last-received"), task_id, f"{hostname} {time.time():.3f}")
         pipe.execute()
@@ -455,7 +458,8 @@ def _count_delivery(request: Any = None, **_: Any) -> None:
     # Main process: every delivery of a task id (the first and each put-back copy).
     recorder = getattr(getattr(getattr(request, "task", None), "app", None), "recorder", None)
     if recorder is not None:
-        recorder.received(request.id, request.hostname)
+        redelivered = bool((request.delivery_info or {}).get("redelivered"))
+        recorder.received(request.id, request.hostname, redelivered)
 
 
 def _die_before_publishing_wakes(app: Celery, budget: int) -> None:
