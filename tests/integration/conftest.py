@@ -55,10 +55,6 @@ class Fleets:
         return fleet
 
     def close(self, show_logs: bool = False) -> None:
-        for fleet in self.fleets:  # warm shutdown for every worker at once, then clean up
-            for worker in fleet.workers:
-                if worker.alive():
-                    worker.process.terminate()
         for fleet in self.fleets:
             if show_logs:
                 print_tails(fleet)

@@ -59,7 +59,7 @@ from celery_caps import backoff, park
 from celery_caps.errors import StoreError
 from celery_caps.stores.base import SlotStore, Woken
 from celery_caps.stores.memory import MemoryStore
-from tests.services import REDIS_TOPOLOGY_KINDS, StoreTarget, new_prefix
+from tests.services import REDIS_KINDS, REDIS_TOPOLOGY_KINDS, StoreTarget, delete_own_rows, new_prefix
 
 #: Cap (slot suffix) -> limit.
 LIMITS = {"g": 2, "k:a": 1, "k:b": 1}
@@ -585,12 +585,22 @@ def _run(machine: type[RuleBasedStateMachine], examples: int, steps: int) -> Non
 
 @pytest.fixture
 def protocol_target(store_target: StoreTarget) -> Iterator[StoreTarget | None]:
-    """None for the memory store (a fresh one per example, on a test clock), else the store's target."""
+    """None for the memory store (a fresh one per example, on a test clock), else the store's target.
+
+    Afterwards a Redis store's keys under the target's key prefix go (the examples' tombstones
+    and sentinels); SQL rows go with the session's private schema or database.
+    """
     if store_target.kind.id == "pgbouncer":
         # Minutes of leases slept through, for the same SQL as PostgreSQL's row: the park fleet
         # tests through PgBouncer cover the pooler (tests/integration/test_poolers.py).
         pytest.skip("the park protocol runs on PostgreSQL directly; through PgBouncer, the fleet tests run it")
     yield None if store_target.kind.id == "memory" else store_target
+    if store_target.kind.id in REDIS_KINDS:
+        opened = store_target.open()
+        try:
+            delete_own_rows(store_target, opened, store_target.key_prefix)
+        finally:
+            opened.close()
 
 
 # Budgets: the memory store runs on a test clock (an example takes milliseconds); the others
