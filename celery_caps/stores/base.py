@@ -239,6 +239,9 @@ class ParkOutcome(enum.Enum):
     LIST_FULL = "waitlist_full"
     #: A slot is full and the request has no payload: nothing stored (the caller parks with one).
     FULL = "full"
+    #: The task id is listed already for another task (another task name or other slots): a
+    #: reused id.  Nothing changed; the caller fails this copy visibly, never drops it silently.
+    ID_IN_USE = "id_in_use"
 
 
 @dataclass(frozen=True)
@@ -285,10 +288,14 @@ def _check_park(request: ParkRequest) -> None:
         raise StoreInputError(f"payload must be bytes or None, got {type(request.payload).__name__}")
 
 
-def _check_recover(dispatch_lease_seconds: float, *, caps: Any = None, readmit_before: Any = None) -> None:
+def _check_recover(
+    dispatch_lease_seconds: float, *, caps: Any = None, task_names: Any = None, readmit_before: Any = None
+) -> None:
     checks.seconds("dispatch_lease_seconds", dispatch_lease_seconds)
     if caps is not None:
         checks.names("caps", caps, checks.slot)
+    if task_names is not None:
+        checks.names("task_names", task_names)
     if readmit_before is not None:
         checks.seconds("readmit_before", readmit_before, positive=False)
 
@@ -585,8 +592,9 @@ class ParkingStore(SlotStore):
     def park(self, request: ParkRequest) -> ParkOutcome:
         """Admission for the park strategy, in one atomic step (under the sentinel locks).
 
-        In this order: :attr:`~ParkOutcome.WAITING` if the task id is waiting or dispatched
-        already (nothing changes); :attr:`~ParkOutcome.ADMITTED` if every slot has room (leases
+        In this order: if the task id is waiting or dispatched already, nothing changes:
+        :attr:`~ParkOutcome.WAITING` if that entry is of the same task name and slot names (a copy
+        of the same task), else :attr:`~ParkOutcome.ID_IN_USE` (the id was reused); :attr:`~ParkOutcome.ADMITTED` if every slot has room (leases
         taken for the request's run, as ``acquire`` would); :attr:`~ParkOutcome.FULL` if the
         request has no payload (nothing stored); :attr:`~ParkOutcome.LIST_FULL` if a slot's list
         holds ``max_waiters`` (nothing stored); else :attr:`~ParkOutcome.PARKED`: the task waits,
@@ -633,9 +641,11 @@ class ParkingStore(SlotStore):
            - dispatched to ``run_id``: the entry becomes a tombstone of this claim (with no
              lease left, nothing else would tell a duplicate copy of this dispatch that the
              task was taken), :attr:`~ClaimOutcome.ADMIT`;
-           - a tombstone: :attr:`~ClaimOutcome.ADMIT` if ``redelivered``, or if it is the tombstone
-             of this very claim (``run_id`` claimed by ``holder``: the claim retried after its
-             reply was lost, its leases expired meanwhile); else :attr:`~ClaimOutcome.END`.
+           - a tombstone: :attr:`~ClaimOutcome.ADMIT` only if it records ``run_id`` (the dispatch
+             that was claimed, or forgotten) and this copy was ``redelivered`` (that run may have
+             died) or ``holder`` made that claim (retried after its reply was lost, its leases
+             expired meanwhile); a copy of any other dispatch, redelivered or not, ends:
+             :attr:`~ClaimOutcome.END`.
 
         So a claim is repeatable by the process that made it: retried with the same arguments,
         it never ends a copy whose first try took the task.
@@ -655,6 +665,7 @@ class ParkingStore(SlotStore):
         dispatch_lease_seconds: float,
         *,
         caps: Collection[str] | None = None,
+        task_names: Collection[str] | None = None,
         readmit_before: float | None = None,
     ) -> list[Woken]:
         """Keep waiters moving, in one step: dispatched entries whose deadline passed go back to
@@ -664,10 +675,15 @@ class ParkingStore(SlotStore):
         waiter that has room now is dispatched, oldest first.  Returns the dispatches, readmits
         first.
 
-        With ``caps`` (cap names), only entries waiting for a slot of one of them are considered:
-        the slot named like the cap, or one of its keys' (``"<cap>:<key>"``); so a worker recovers
-        the tasks of its own caps, never another app's that shares the store.  (A slot name given
-        as a cap name matches that slot.)"""
+        With ``caps`` (cap names) or ``task_names``, only entries waiting for a slot of one of the
+        caps (the slot named like the cap, or one of its keys', ``"<cap>:<key>"``), or of a task
+        named in ``task_names``, are considered: so a worker recovers the tasks it knows (also
+        those whose cap its code renamed or removed), never another app's that shares the store.
+        (A slot name given as a cap name matches that slot.)
+
+        Waiters are dispatched against their slots' current limits (the sentinels'), never the
+        limits they parked with: a limit lowered since admits no one above it, and a limit raised
+        since gives its room to waiters here."""
 
     @abc.abstractmethod
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:

@@ -46,7 +46,8 @@ class _LeaseEntry:
 @dataclass
 class _WaiterEntry:
     task_id: str
-    slots: dict[str, int]
+    #: The slot names it needs (their limits are the slots' own, read when it is dispatched).
+    slots: tuple[str, ...]
     payload: bytes
     first_deferred_at: float
     parked_at: float
@@ -126,6 +127,11 @@ class MemoryStore(ParkingStore):
                 full.append(slot)
         return full
 
+    def _current_limits(self, slots: Iterable[str]) -> dict[str, int]:
+        """The slots' limits as their sentinels hold them now (the last admission's): a waiter is
+        dispatched against these, never against the limit it parked with."""
+        return {slot: self._limits[slot] for slot in slots}
+
     def park(self, request: ParkRequest) -> ParkOutcome:
         slots, task_id = request.slots, request.task_id
         with self._lock:
@@ -134,7 +140,8 @@ class MemoryStore(ParkingStore):
                 self._limits[slot] = slots[slot]
             entry = self._waiting.get(task_id)
             if entry is not None and entry.listed:
-                return ParkOutcome.WAITING
+                same_task = entry.task_name == request.task_name and set(entry.slots) == set(slots)
+                return ParkOutcome.WAITING if same_task else ParkOutcome.ID_IN_USE
             dispatches = entry.dispatches if entry is not None else 0  # a tombstone's count lives on
             if not self._full_slots(slots, task_id, now):
                 self._add_leases(
@@ -147,7 +154,7 @@ class MemoryStore(ParkingStore):
             if any(count >= request.max_waiters for count in waiting.values()):
                 return ParkOutcome.LIST_FULL
             self._waiting[task_id] = _WaiterEntry(
-                task_id, dict(slots), request.payload, request.first_deferred_at, now, next(self._sequence),
+                task_id, tuple(sorted(slots)), request.payload, request.first_deferred_at, now, next(self._sequence),
                 request.task_name, dispatches=dispatches,
             )  # fmt: skip
             return ParkOutcome.PARKED
@@ -190,7 +197,7 @@ class MemoryStore(ParkingStore):
             if waiter.waiting and (only is None or not only.isdisjoint(waiter.slots))
         )
         for waiter in waiting:
-            if not self._full_slots(waiter.slots, waiter.task_id, now):
+            if not self._full_slots(self._current_limits(waiter.slots), waiter.task_id, now):
                 woken.append(self._dispatch_locked(waiter, now, dispatch_lease_seconds, leases=True))
         return woken
 
@@ -249,8 +256,10 @@ class MemoryStore(ParkingStore):
             if entry is None:
                 return ClaimOutcome.ADMIT
             if entry.done_until is not None:
-                same_claim = entry.dispatch_run_id == run_id and entry.claimed_by == holder
-                return ClaimOutcome.ADMIT if redelivered or same_claim else ClaimOutcome.END
+                # Only a copy of the dispatch the tombstone records may go on: that claim retried,
+                # or its copy redelivered (its run may have died).  A copy of any other dispatch ends.
+                same_dispatch = entry.dispatch_run_id == run_id
+                return ClaimOutcome.ADMIT if same_dispatch and (redelivered or entry.claimed_by == holder) else ClaimOutcome.END
             if entry.dispatch_run_id != run_id:
                 return ClaimOutcome.END
             self._settle_locked(entry, now, holder, tombstone=True)
@@ -280,16 +289,20 @@ class MemoryStore(ParkingStore):
         dispatch_lease_seconds: float,
         *,
         caps: Collection[str] | None = None,
+        task_names: Collection[str] | None = None,
         readmit_before: float | None = None,
     ) -> list[Woken]:
+        scoped = caps is not None or task_names is not None
+
+        def in_scope(entry: _WaiterEntry) -> bool:
+            if not scoped:
+                return True
+            return any(of_caps(slot, caps or ()) for slot in entry.slots) or entry.task_name in (task_names or ())
+
         with self._lock:
             now = self.clock()
-            considered = [
-                entry
-                for entry in self._waiting.values()
-                if entry.listed and (caps is None or any(of_caps(slot, caps) for slot in entry.slots))
-            ]
-            only = {slot for entry in considered for slot in entry.slots} if caps is not None else None
+            considered = [entry for entry in self._waiting.values() if entry.listed and in_scope(entry)]
+            only = {slot for entry in considered for slot in entry.slots} if scoped else None
             for entry in considered:
                 if entry.dispatch_run_id is not None and entry.dispatch_expires_at <= now:
                     self._delete_dispatch_locked(entry.dispatch_run_id, entry.task_id)
