@@ -27,7 +27,8 @@ key                            type    content
                                        here with one ``ZCOUNT``
 ``P:limits``                   HASH    slot name -> last limit: the sentinels, which the
                                        sweep never deletes, so ``status`` lists every
-                                       slot name ever used
+                                       slot name ever used; every hand-over to a waiter
+                                       counts room by these
 ``P:runs``                     HASH    run id -> MessagePack ``[task id, holder, slot...]``;
                                        run id + NUL + ``meta`` -> ``[task name, taken at]``
 ``P:expiry``                   ZSET    run id -> expiry (every lease of a run shares
@@ -40,14 +41,15 @@ key                            type    content
                                        member per entry, waiting or dispatched: score
                                        = first-deferral time, member = park time (Redis
                                        ``TIME`` as fixed-width text) + a signature of
-                                       the task's slots and limits + task id, so the
-                                       set's own order is the waiting order (first
+                                       the task's slot names + task id, so the set's
+                                       own order is the waiting order (first
                                        deferral, then park time)
 ``P:waiting``                  HASH    task id -> MessagePack record of an entry: first
                                        deferral, park time, task name, dispatch run id
                                        and deadline (empty while waiting), how many
                                        times it was dispatched, the signature, the slot
-                                       names and limits it waits for
+                                       names it waits for (no limits: a waiter is
+                                       dispatched against the limits in ``P:limits``)
 ``P:payloads``                 HASH    task id -> its message, opaque bytes (kept apart
                                        so that walking a list never reads payloads)
 ``P:waitlists``                SET     slot names whose waiting list is not empty
@@ -63,27 +65,32 @@ key                            type    content
 A dispatch with leases holds its waiter's room with an ordinary run (holder
 ``caps-dispatch``, expiry the dispatch deadline by Redis ``TIME``) under the
 waiter's own task id; ``claim`` gives that run its holder and a full lease.  A
-dispatch without leases (a readmit) only marks the record.  ``release_and_wake``
+dispatch without leases (a readmit) only marks the record.  Room is counted
+against each slot's limit in ``P:limits`` (its last admission's), never a limit the
+waiter parked with, so every waiter of a slot shares one limit: ``release_and_wake``
 walks the waiting lists of the released slots together, oldest first, and stops
 walking a list once its slot is full.  A waiter passed over because another of its
 slots is full marks its signature, so the waiters behind it that need the same
 slots are passed over without reading their records (one ``ZSCORE`` each, for the
-case where a task id already holds that slot).
+case where a task id already holds that slot).  ``park`` of a task id listed
+already changes nothing: the entry answers for it if it has the same task name and
+slot names, else the id is in use by another task.
 
 An entry leaves the list when a copy claims it (or ``forget`` drops it).  If it
 was dispatched more than once (or is forgotten while dispatched), copies of an
 earlier dispatch may still be on their way, so a tombstone key stays behind for
-``done_seconds``; ``claim`` reads it, ``park`` replaces it by an entry that keeps
-its count of dispatches.
+``done_seconds``; ``claim`` reads it (only a copy of the dispatch it records may go
+on), ``park`` replaces it by an entry that keeps its count of dispatches.
 
 No operation uses ``KEYS`` or ``SCAN``: renewing or releasing a run costs its own
 leases, releasing a task costs its own runs, the sweep costs the expired leases
 (plus ``log n``), admission costs ``O(log n)`` per slot; parking costs
 ``O(log n)`` per slot, a release with waiters the waiters it passes over (about
-2 µs of Redis time each), ``recover`` the unclaimed dispatches, the overdue waiters
-and the waiters it passes over.  Empty sets disappear by themselves; after every
-lease is released and every waiter has run, only ``P:limits`` (and tombstones, until
-they expire) remains.
+2 µs of Redis time each), ``recover`` the unclaimed dispatches, the waiters of the
+caps it serves, with task names the waiters of every other list (their records
+tell their task names), and the waiters it passes over.  Empty sets disappear by
+themselves; after every lease is released and every waiter has run, only
+``P:limits`` (and tombstones, until they expire) remains.
 
 Redis Cluster
 -------------
@@ -648,6 +655,7 @@ class RedisStore(ParkingStore):
         dispatch_lease_seconds: float,
         *,
         caps: Collection[str] | None = None,
+        task_names: Collection[str] | None = None,
         readmit_before: float | None = None,
     ) -> list[Woken]:
         args: list[bytes | str] = [
@@ -656,11 +664,12 @@ class RedisStore(ParkingStore):
             _run_id_nonce(),
             "" if readmit_before is None else self._seconds(readmit_before, "readmit_before"),
         ]
-        if caps is not None:
-            named = sorted(set(caps))
-            if not named:
+        if caps is not None or task_names is not None:
+            cap_names, named_tasks = sorted(set(caps or ())), sorted(set(task_names or ()))
+            if not cap_names and not named_tasks:
                 return []
-            args.extend(map(_encode, named))
+            args.append(str(len(cap_names)))
+            args.extend(map(_encode, [*cap_names, *named_tasks]))
         return self._woken(self._run("recover", self._recover, self._waitlist_keys, args))
 
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:

@@ -59,10 +59,13 @@ if record == nil then
   if done == nil then
     return 'admit'
   end
-  -- The tombstone of this very claim (retried after its reply was lost, its leases expired
-  -- meanwhile) lets it through, as does a redelivery; any other copy ends.
-  local same_claim = done[1] == run_id and done[2] == holder
-  return (redelivered or same_claim) and 'admit' or 'end'
+  -- Only a copy of the dispatch the tombstone records goes on: redelivered (its run may have
+  -- died), or this very claim retried after its reply was lost (its leases expired meanwhile).
+  -- A copy of any other dispatch ends, redelivered or not.
+  if done[1] == run_id and (redelivered or done[2] == holder) then
+    return 'admit'
+  end
+  return 'end'
 end
 if record[RECORD_RUN_ID] ~= run_id then
   return 'end'

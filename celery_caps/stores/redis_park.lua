@@ -1,16 +1,18 @@
 -- celery-caps park: admission for the park strategy in one atomic step (so a release that
 -- ran before it is seen as room, and one that runs after it sees the waiter).  In this
--- order: the task id waits (or is dispatched) already; every slot has room; no payload;
--- a slot's list is full; else the task waits in the list of every slot it needs.
+-- order: the task id waits (or is dispatched) already, for this task or another (a reused
+-- id); every slot has room; no payload; a slot's list is full; else the task waits in the
+-- list of every slot it needs.
 --
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches, the task's run
 --       set, the task's tombstone, then per slot: its runs, its tasks, its waiters
 -- ARGV: prefix, task id, run id, holder, lease seconds, task name ('' if none), payload,
 --       '1' if a payload is given else '0', first-deferral time, max waiters, then per slot
 --       (sorted): name, limit
--- Returns 'waiting' (nothing changed), 'admitted', 'full' (no payload: nothing stored),
--- 'waitlist_full' (a slot has max waiters already: nothing stored) or 'parked'.  Only the sentinels are written
--- in every case.
+-- Returns 'waiting' (the entry is of the same task name and slot names: nothing changed),
+-- 'id_in_use' (it is another task's: nothing changed), 'admitted', 'full' (no payload: nothing
+-- stored), 'waitlist_full' (a slot has max waiters already: nothing stored) or 'parked'.  Only
+-- the sentinels are written in every case.
 
 local limits_key, runs_key, expiry_key = KEYS[1], KEYS[2], KEYS[3]
 local keys = waitlist_keys()
@@ -42,8 +44,22 @@ for i = 1, slot_count do
   remember_limit(limits_key, names[i], limits[i])
 end
 
--- Its entry answers for the task (a duplicate, or a copy that arrived again).
-if redis.call('HEXISTS', keys.waiting, task_id) == 1 then
+-- Its entry answers for the task (a duplicate, or a copy that arrived again), if it is this
+-- task's: the same task name and slot names (a limit changed by a deploy is the same task).
+local listed = read_waiter(keys.waiting, task_id)
+if listed ~= nil then
+  if listed[RECORD_TASK_NAME] ~= task_name or #listed - RECORD_SLOTS + 1 ~= slot_count then
+    return 'id_in_use'
+  end
+  local listed_names = {}
+  for i = RECORD_SLOTS, #listed do
+    listed_names[listed[i]] = true
+  end
+  for i = 1, slot_count do
+    if not listed_names[names[i]] then
+      return 'id_in_use'
+    end
+  end
   return 'waiting'
 end
 
@@ -75,10 +91,9 @@ end
 local done = read_done(KEYS[9])
 redis.call('DEL', KEYS[9])
 local dispatches = done ~= nil and done[3] or 0
-local record = { first_deferred_at, now_text, task_name, '', '', dispatches, slots_signature(names, limits) }
+local record = { first_deferred_at, now_text, task_name, '', '', dispatches, slots_signature(names) }
 for i = 1, slot_count do
   record[#record + 1] = names[i]
-  record[#record + 1] = tonumber(limits[i])
 end
 write_waiter(keys.waiting, task_id, record)
 redis.call('HSET', keys.payloads, task_id, payload)

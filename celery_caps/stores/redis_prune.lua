@@ -1,8 +1,8 @@
 -- celery-caps prune: delete the sentinels of slots no live lease holds and no parked
 -- task waits for (waiting or dispatched), with the expired leases of those slots.
 -- Tombstones are left to expire by themselves.
--- (Waking reads a waiter's limits from its record, not the sentinel, but a slot with
--- waiters is in use: status keeps listing it, as on the other stores.)
+-- (A slot with waiters is in use: waking them counts room by its sentinel, and status
+-- keeps listing it, as on the other stores.)
 --
 -- KEYS: limits, runs, expiry
 -- ARGV: prefix, '1' for a dry run or '0', candidate slot name, ...

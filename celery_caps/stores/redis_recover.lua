@@ -1,35 +1,44 @@
 -- celery-caps recover: keep waiters moving when no release does.  Dispatches whose deadline
 -- passed go back to waiting at their old place (their dispatch leases deleted); with a
 -- readmit time, waiting entries first deferred before it are dispatched without leases,
--- oldest first; then every waiting entry that has room now is dispatched with leases,
--- oldest first.  With cap names, only the entries waiting for a slot of one of them (named
--- like the cap, or "<cap>:<key>") are considered, with (to keep the order fair) the other
--- waiters of the slots those need.
+-- oldest first; then every waiting entry that has room now (by its slots' limits in the
+-- limits hash) is dispatched with leases, oldest first.  With a scope (cap names, task
+-- names, or both), only the entries waiting for a slot of one of the caps (named like the
+-- cap, or "<cap>:<key>") or of a task named are considered, with (to keep the order fair)
+-- the other waiters of the slots those need.  Finding the entries of the tasks named reads
+-- the records of the waiters of every other slot's list.
 --
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
 -- ARGV: prefix, dispatch lease seconds, run id nonce, readmit time (epoch seconds, '' for
---       none) [, cap name, ...]
+--       none) [, number of cap names, cap name, ..., task name, ...] (no scope: every entry)
 -- Returns {task id, run id, task name, payload, readmit, ...}: the readmits, then the
 -- dispatches, each oldest first.
 
 local runs_key, expiry_key = KEYS[2], KEYS[3]
 local keys = waitlist_keys()
 local prefix, lease_seconds, nonce, readmit_before = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local FIRST_SLOT = 5
+local SCOPE = 5
 local now = now_seconds()
 local next_run_id = run_id_source(runs_key, nonce)
 
-local caps = nil
-if #ARGV >= FIRST_SLOT then
+-- caps: nil without a scope (every entry is considered); task_names: name -> true.
+local caps, task_names = nil, {}
+if #ARGV >= SCOPE then
   caps = {}
-  for i = FIRST_SLOT, #ARGV do
+  local first_name = SCOPE + 1 + tonumber(ARGV[SCOPE])
+  for i = SCOPE + 1, first_name - 1 do
     caps[#caps + 1] = ARGV[i]
   end
+  for i = first_name, #ARGV do
+    task_names[ARGV[i]] = true
+  end
 end
+local scoped = caps ~= nil
+local by_task_name = next(task_names) ~= nil
 
--- Whether `slot` belongs to one of the caps (all do without caps).
+-- Whether `slot` belongs to one of the caps (all do without a scope).
 local function of_caps(slot)
-  if caps == nil then
+  if not scoped then
     return true
   end
   for _, cap in ipairs(caps) do
@@ -40,8 +49,15 @@ local function of_caps(slot)
   return false
 end
 
-local function waits_for_caps(record)
-  for j = RECORD_SLOTS, #record, 2 do
+local function named_task(record)
+  return record[RECORD_TASK_NAME] ~= '' and task_names[record[RECORD_TASK_NAME]] == true
+end
+
+local function in_scope(record)
+  if not scoped or named_task(record) then
+    return true
+  end
+  for j = RECORD_SLOTS, #record do
     if of_caps(record[j]) then
       return true
     end
@@ -55,7 +71,7 @@ for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', sc
   local record = read_waiter(keys.waiting, task_id)
   if record == nil then
     redis.call('ZREM', keys.dispatches, task_id)
-  elseif waits_for_caps(record) then
+  elseif in_scope(record) then
     if not is_waiting(record) then
       delete_dispatch(prefix, runs_key, expiry_key, task_id, record[RECORD_RUN_ID])
       record[RECORD_RUN_ID], record[RECORD_DEADLINE] = '', ''
@@ -65,27 +81,53 @@ for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', sc
   end
 end
 
-local named = {}
+-- The lists of the caps' slots (every list without a scope), whose entries are all considered;
+-- and, in the other lists, the members (with their scores) of the entries of the tasks named,
+-- an entry of several such lists once, and the slots those entries wait for.
+local named, of_names, names_slots, seen = {}, {}, {}, {}
 for _, slot in ipairs(redis.call('SMEMBERS', keys.waitlists)) do
   if of_caps(slot) then
     named[#named + 1] = slot
+  elseif by_task_name then
+    local members = {}
+    collect_members(prefix, slot, '+inf', members)
+    for _, entry in ipairs(members) do
+      local task_id = waiter_task_id(entry.member)
+      if not seen[task_id] then
+        seen[task_id] = true
+        local record = read_waiter(keys.waiting, task_id)
+        if record ~= nil and named_task(record) then
+          of_names[#of_names + 1] = entry
+          for j = RECORD_SLOTS, #record do
+            names_slots[#names_slots + 1] = record[j]
+          end
+        end
+      end
+    end
   end
 end
 
 local woken = {}
 if readmit_before ~= '' then
   local overdue = {}
+  local before = tonumber(readmit_before)
   for _, slot in ipairs(named) do
-    collect_members(prefix, slot, '(' .. score_text(tonumber(readmit_before)), overdue)
+    collect_members(prefix, slot, '(' .. score_text(before), overdue)
+  end
+  for _, entry in ipairs(of_names) do
+    if entry.score < before then
+      overdue[#overdue + 1] = entry
+    end
   end
   readmit_members(prefix, runs_key, expiry_key, keys, overdue, now, lease_seconds, next_run_id, woken)
 end
 
 local slots
-if caps == nil then
+if not scoped then
   slots = named
 else
-  -- The named slots, and every slot their waiting (not dispatched) entries need.
+  -- The caps' slots and every slot their waiting (not dispatched) entries need, and the slots
+  -- of the entries of the tasks named.
   slots = {}
   local listed = {}
   local function add(slot)
@@ -101,12 +143,15 @@ else
       for _, member in ipairs(redis.call('ZRANGE', waiters_key, 0, -1)) do
         local record = read_waiter(keys.waiting, waiter_task_id(member))
         if record ~= nil and is_waiting(record) then
-          for j = RECORD_SLOTS, #record, 2 do
+          for j = RECORD_SLOTS, #record do
             add(record[j])
           end
         end
       end
     end
+  end
+  for _, slot in ipairs(names_slots) do
+    add(slot)
   end
 end
 

@@ -5,7 +5,7 @@
 --   P:slot:{E}:waiters  ZSET  one member per task waiting for the slot (dispatched or
 --                             not): score = first-deferral time, member = park time
 --                             (fixed-width text of Redis TIME), the signature of the
---                             task's slots (below), then the task id; so the set's own
+--                             task's slot names (below), then the task id; so the set's own
 --                             order (score, then member bytes) is the waiting order:
 --                             first deferral, then park time (unique per park)
 --   P:waiting           HASH  task id -> MessagePack record (below), waiting or dispatched
@@ -29,10 +29,12 @@ local SIGNATURE_WIDTH = 16
 
 -- A record: { first deferral (text), park time (text), task name ('' if none), dispatch
 -- run id ('' while waiting), dispatch deadline (text, '' while waiting), dispatches so far
--- (with leases or without), signature, slot name, limit, slot name, limit, ... } (slots
--- sorted, limits as parked).  The signature (16 hex digits of the SHA-1 of the slots and
--- limits) lets a release pass over waiters needing a slot it found full without reading
--- their records.
+-- (with leases or without), signature, slot name, slot name, ... } (names sorted).  It holds
+-- no limit: a waiter is dispatched against its slots' limits as the limits hash holds them
+-- then (the sentinels, written by every admission), never the limits it parked with.  The
+-- signature (16 hex digits of the SHA-1 of the slot names) lets a release pass over waiters
+-- needing a slot it found full without reading their records: every waiter of a slot
+-- shares its limit.
 local RECORD_FIRST_DEFERRAL = 1
 local RECORD_PARKED = 2
 local RECORD_TASK_NAME = 3
@@ -46,19 +48,36 @@ local RECORD_SLOTS = 8
 local WALK_CHUNK = 128
 
 local function waitlist_keys()
-  return { waiting = KEYS[4], payloads = KEYS[5], waitlists = KEYS[6], dispatches = KEYS[7] }
+  return { limits = KEYS[1], waiting = KEYS[4], payloads = KEYS[5], waitlists = KEYS[6], dispatches = KEYS[7] }
 end
 
 local function done_key(prefix, task_id)
   return prefix .. ':done:' .. task_id
 end
 
+-- A record as written by park, with its slot names from RECORD_SLOTS on.  A record may also
+-- hold a number after each name (the limit it parked with, as records parked by releases of
+-- the store that kept limits do): those are dropped here, so every reader sees names only,
+-- and the record is written back without them at its next dispatch.
 local function read_waiter(waiting_key, task_id)
   local packed = redis.call('HGET', waiting_key, task_id)
   if not packed then
     return nil
   end
-  return cmsgpack.unpack(packed)
+  local record = cmsgpack.unpack(packed)
+  if type(record[RECORD_SLOTS + 1]) == 'number' then
+    local names = {}
+    for i = RECORD_SLOTS, #record, 2 do
+      names[#names + 1] = record[i]
+    end
+    for i = #record, RECORD_SLOTS, -1 do
+      record[i] = nil
+    end
+    for _, name in ipairs(names) do
+      record[#record + 1] = name
+    end
+  end
+  return record
 end
 
 local function write_waiter(waiting_key, task_id, record)
@@ -71,7 +90,7 @@ end
 
 local function record_slot_names(record)
   local names = {}
-  for i = RECORD_SLOTS, #record, 2 do
+  for i = RECORD_SLOTS, #record do
     names[#names + 1] = record[i]
   end
   return names
@@ -89,14 +108,9 @@ local function waiter_member(record, task_id)
   return record[RECORD_PARKED] .. record[RECORD_SIGNATURE] .. task_id
 end
 
--- The signature of a slot set: `names` and `limits` (texts) in slot order.
-local function slots_signature(names, limits)
-  local parts = {}
-  for i = 1, #names do
-    parts[#parts + 1] = names[i]
-    parts[#parts + 1] = limits[i]
-  end
-  return string.sub(redis.sha1hex(table.concat(parts, '\0')), 1, SIGNATURE_WIDTH)
+-- The signature of a slot set: its `names`, sorted.
+local function slots_signature(names)
+  return string.sub(redis.sha1hex(table.concat(names, '\0')), 1, SIGNATURE_WIDTH)
 end
 
 -- Whether byte string a sorts before b (Lua's own '<' follows the server's locale).
@@ -114,7 +128,7 @@ end
 -- payload, its dispatch.
 local function remove_waiter(prefix, keys, task_id, record)
   local member = waiter_member(record, task_id)
-  for i = RECORD_SLOTS, #record, 2 do
+  for i = RECORD_SLOTS, #record do
     local waiters_key = slot_key(prefix, record[i], 'waiters')
     redis.call('ZREM', waiters_key, member)
     if redis.call('EXISTS', waiters_key) == 0 then
@@ -237,10 +251,20 @@ local function collect_members(prefix, slot, upper, members)
 end
 
 -- Dispatch with leases, oldest first, every waiting entry in the waiting lists of `slots`
--- whose every slot has room now.  A waiter that does not fit is passed over and keeps its
--- place.  The woken are appended to `woken` (see dispatch_entry).
+-- whose every slot has room now, by the slot's limit in the limits hash (a slot without one
+-- there counts as full).  A waiter that does not fit is passed over and keeps its place.  The
+-- woken are appended to `woken` (see dispatch_entry).
 local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, lease_seconds, next_run_id, woken)
   local room = {} -- slot_has_room's cache
+  local limits = {} -- slot -> its limit (false if it has none), read once per call
+
+  local function limit_of(slot)
+    if limits[slot] == nil then
+      local limit = redis.call('HGET', keys.limits, slot)
+      limits[slot] = limit and tonumber(limit) or false
+    end
+    return limits[slot]
+  end
   -- Slot signature -> the task-set key of the slot that refused a waiter with it:
   -- full for newcomers for the rest of the call, so later waiters with that
   -- signature are passed over without reading their records, unless their task id
@@ -305,9 +329,10 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
     end
     if record ~= nil and is_waiting(record) then
       local fits = true
-      for i = RECORD_SLOTS, #record, 2 do
+      for i = RECORD_SLOTS, #record do
         local slot = record[i]
-        if not slot_has_room(prefix, slot, record[i + 1], task_id, now, room) then
+        local limit = limit_of(slot)
+        if not limit or not slot_has_room(prefix, slot, limit, task_id, now, room) then
           fits = false
           blocked_by[record[RECORD_SIGNATURE]] = slot_key(prefix, slot, 'tasks')
           -- The slot is full for newcomers, so (its waiters sharing its limit) nobody
@@ -324,7 +349,7 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
       if fits then
         dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, next_run_id(), now, lease_seconds, true,
           woken)
-        for i = RECORD_SLOTS, #record, 2 do
+        for i = RECORD_SLOTS, #record do
           room[record[i]] = nil
         end
       end

@@ -580,6 +580,53 @@ def test_a_claimed_entry_dispatched_once_leaves_nothing_and_one_dispatched_twice
     assert store.claim("twice", lost.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.END
 
 
+#: Rewrites a waiting record with a limit after each slot name (KEYS: the waiting hash; ARGV:
+#: task id, limit): a record as a store that kept the parked limits wrote it.
+_WITH_PARKED_LIMITS = """
+local record = cmsgpack.unpack(redis.call('HGET', KEYS[1], ARGV[1]))
+local rewritten = {}
+for i = 1, 7 do
+  rewritten[i] = record[i]
+end
+for i = 8, #record do
+  rewritten[#rewritten + 1] = record[i]
+  rewritten[#rewritten + 1] = tonumber(ARGV[2])
+end
+redis.call('HSET', KEYS[1], ARGV[1], cmsgpack.pack(rewritten))
+"""
+
+
+def test_records_holding_the_limits_they_parked_with_are_served_by_the_slots_limits(
+    new_store: Callable[..., RedisStore], client: redis.Redis
+) -> None:
+    # Given waiters of a limit-1 slot whose records hold a limit of 5 after each slot name
+    store = new_store()
+    held = new_run_id()
+    store.acquire({"licence": 1}, "holder", held, HOLDER, LONG_LEASE)
+    assert park(store, {"licence": 1, "region": 1}, "both", 1.0) == ParkOutcome.PARKED
+    assert park(store, {"licence": 1}, "licence-only", 2.0) == ParkOutcome.PARKED
+    waiting = store.key_prefix.encode() + b":waiting"
+    for task_id in ("both", "licence-only"):
+        client.eval(_WITH_PARKED_LIMITS, 1, waiting, task_id, 5)
+    # Then they read as the same tasks, waiting for their slots
+    assert park(store, {"region": 1, "licence": 1}, "both", 1.0) == ParkOutcome.WAITING
+    assert [(w.slot, w.task_id) for w in store.waiters()] == [
+        ("licence", "both"), ("licence", "licence-only"), ("region", "both"),
+    ]  # fmt: skip
+
+    # When the holder releases, one waiter takes the slot: its limit is 1, not 5
+    _, [first] = store.release_and_wake(held, DISPATCH_LEASE)
+    assert first.task_id == "both"
+    assert store.claim("both", first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert {lease.slot for lease in store.leases()} == {"licence", "region"}
+    _, [second] = store.release_and_wake(first.run_id, DISPATCH_LEASE)
+    assert second.task_id == "licence-only"
+    assert store.claim("licence-only", second.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert store.release(second.run_id) == 1
+    # ... and each left every list
+    assert written_keys(client, store) == {store.key_prefix.encode() + b":limits"}
+
+
 # -- hostile names -----------------------------------------------------------------------
 
 #: Slot names that a careless layout would let into another slot's keys or hash tag:
