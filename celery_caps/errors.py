@@ -72,3 +72,49 @@ class CapWaitExceeded(CapsError):
     def __reduce__(self) -> tuple[type, tuple[str, str, float, list[str]]]:
         # Celery pickles exceptions into the result backend; keep them rebuildable.
         return (type(self), (self.task_name, self.task_id, self.waited_seconds, self.slots))
+
+
+class UnpublishableTask(CapsError):
+    """A parked task whose message could not be published again: it failed, alone, with this.
+
+    Stored as the task's ``FAILURE`` result (a deploy changed the task's signature so that its
+    arguments no longer fit, its serializer is not installed, its payload cannot be read).
+    """
+
+    def __init__(self, task_name: str, task_id: str, reason: str) -> None:
+        self.task_name = task_name
+        self.task_id = task_id
+        self.reason = reason
+        super().__init__(task_name, task_id, reason)
+
+    def __str__(self) -> str:
+        return (
+            f"waiting task {self.task_name}[{self.task_id}] could not be handed its slot: its message cannot be "
+            f"published again ({self.reason}); it is failed and its slot given to the next waiter"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        return (type(self), (self.task_name, self.task_id, self.reason))
+
+
+class TaskIdInUse(CapsError):
+    """A task was sent with the id of another task that waits for its caps (a reused task id).
+
+    The waiting task keeps its place; this copy fails with this error rather than be taken for
+    a copy of it and dropped.  Give every task an id of its own.
+    """
+
+    def __init__(self, task_name: str, task_id: str, slots: list[str]) -> None:
+        self.task_name = task_name
+        self.task_id = task_id
+        self.slots = list(slots)
+        super().__init__(task_name, task_id, self.slots)
+
+    def __str__(self) -> str:
+        return (
+            f"task {self.task_name}[{self.task_id}] (caps {', '.join(self.slots)}) was not run: another task with "
+            "the same task id waits for its caps; send each task with an id of its own"
+        )
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, list[str]]]:
+        return (type(self), (self.task_name, self.task_id, self.slots))

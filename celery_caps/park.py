@@ -47,31 +47,23 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Ignore
 from celery.utils import uuid as new_task_id
 from celery.utils.time import maybe_make_aware
-from kombu.entity import Exchange, Queue
-from kombu.serialization import dumps, loads
 
+from . import messages
 from .caps import slots_for
-from .errors import CapWaitExceeded, StoreError, StoreInputError
+from .errors import CapWaitExceeded, StoreError, StoreInputError, TaskIdInUse
+from .handover import dispatch_lease_seconds
 from .health import describe
-from .settings import PARK, CapsSettings
-from .stores.base import (
-    DISPATCH_HOLDER,
-    ClaimOutcome,
-    ParkingStore,
-    ParkOutcome,
-    ParkRequest,
-    SlotStore,
-    Woken,
-)
+from .messages import DISPATCH_HEADER, encode_payload
+from .settings import PARK
+from .stores.base import DISPATCH_HOLDER, ClaimOutcome, ParkingStore, ParkOutcome, ParkRequest
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -80,42 +72,6 @@ if TYPE_CHECKING:
     from .task import CappedTask
 
 logger = logging.getLogger(__name__)
-
-#: The header of a dispatched copy: the run id of its dispatch, which it claims on arrival.
-DISPATCH_HEADER = "caps_dispatch_run_id"
-#: A woken task is published to ``<its queue>`` + this suffix: a queue that every worker
-#: consuming ``<its queue>`` consumes too (:class:`~celery_caps.worker.CapsWakeQueues`).
-WAKE_QUEUE_SUFFIX = ".caps-wake"
-
-
-class CapsContext(Protocol):
-    """What the functions below work with: a worker process's ``CapsRuntime``, or the CLI's operator."""
-
-    @property
-    def app(self) -> Celery: ...
-
-    @property
-    def settings(self) -> CapsSettings: ...
-
-    @property
-    def store(self) -> SlotStore: ...
-
-
-def dispatch_lease_seconds(runtime: CapsContext) -> float:
-    """How long a dispatch lasts unclaimed before recovery dispatches the task again, in seconds."""
-    return runtime.settings.dispatch_lease_seconds
-
-
-def parking_store(runtime: CapsContext) -> ParkingStore | None:
-    """The runtime's store if releases hand freed room to waiters (park in use, a store that
-    parks), else None."""
-    store = runtime.store
-    return store if runtime.settings.parking.uses_park and isinstance(store, ParkingStore) else None
-
-
-def parks(runtime: CapsContext) -> bool:
-    """Whether releases in this runtime hand freed room to waiters (park in use, a store that parks)."""
-    return parking_store(runtime) is not None
 
 
 # -- 1. arrival ---------------------------------------------------------------------
@@ -136,6 +92,8 @@ class Verdict(enum.Enum):
     TOO_LARGE = "payload_too_large"
     #: Its slots are full and it has waited ``caps_max_wait_seconds``: it gives up.
     GAVE_UP = "gave_up"
+    #: Its task id waits in the list as another task (a reused id): it fails, visibly.
+    ID_IN_USE = "id_in_use"
 
 
 @dataclass(frozen=True)
@@ -215,6 +173,8 @@ def decide(
         return Decision(Verdict.ANSWERED)
     if outcome is ParkOutcome.LIST_FULL:
         return Decision(Verdict.LIST_FULL)
+    if outcome is ParkOutcome.ID_IN_USE:
+        return Decision(Verdict.ID_IN_USE)
     raise AssertionError(f"unexpected park outcome {outcome!r}")  # pragma: no cover - the contract's outcomes
 
 
@@ -234,15 +194,13 @@ def admit(
     or end this copy with ``Ignore`` (parked, or someone else answers for the task), or put it
     back with backoff (it cannot park).  None: it runs uncapped (``caps_on_store_error = "run"``).
     """
-    from . import backoff
-
     settings = runtime.settings
     parking = settings.parking
     store = runtime.store
     assert isinstance(store, ParkingStore)  # the caller chose park: its store has a waiting list
-    deferrals = backoff.deferrals_of(request)
-    first_deferred_at = backoff.first_deferred_at(request) or time.time()
-    dispatch = backoff.header(request, DISPATCH_HEADER)
+    deferrals = messages.deferrals_of(request)
+    first_deferred_at = messages.first_deferred_at(request) or time.time()
+    dispatch = messages.header(request, DISPATCH_HEADER)
     arrival = Arrival(
         task_id=request.id,
         task_name=task.name,
@@ -263,7 +221,7 @@ def admit(
     }
 
     def payload() -> bytes:
-        headers = backoff.republish_headers(request, deferrals, first_deferred_at)
+        headers = messages.republish_headers(request, deferrals, first_deferred_at)
         message = encode_payload(task._get_app(), task.signature_from_request(request, args, kwargs, headers=headers))
         # Before parking: a release may wake it, and it may finish, at once.
         task.store_deferred_state(runtime, request, waiting)
@@ -285,7 +243,7 @@ def admit(
                 # released once the store answers again, not a lease later.  A copy put back makes
                 # the same decision on its return (none depends on this delivery).
                 runtime.retry_release(run_id)
-                backoff.on_store_error(task, runtime, request, slots, args, kwargs, exc)
+                messages.on_store_error(task, runtime, request, slots, args, kwargs, exc)
                 return None
             # A copy carrying a dispatch is decided by its claim, which only this delivery can
             # present (its dispatch, whether the broker redelivered it): a copy put back without
@@ -293,14 +251,14 @@ def admit(
             # find its own earlier claim and end.  Every step is repeatable by the same process
             # with the same run id, so it waits here and tries again.
             failures += 1
-            wait = backoff.backoff_seconds(failures, settings.backoff_min_seconds, settings.backoff_max_seconds)
+            wait = messages.backoff_seconds(failures, settings.backoff_min_seconds, settings.backoff_max_seconds)
             log = logger.warning if failures == 1 else logger.debug
             log(
                 "%s[%s]: claiming its dispatch failed (%s); trying again in %.1f s",
                 task.name, request.id, describe(exc), wait,
             )  # fmt: skip
             time.sleep(wait)
-    if deferrals == 0 and backoff.first_deferred_at(request) is not None and decision.verdict in (
+    if deferrals == 0 and messages.first_deferred_at(request) is not None and decision.verdict in (
         Verdict.RUN, Verdict.PARKED,
     ):  # fmt: skip
         # Parked when sent: its wait is recorded here, where history is kept (a copy that ends
@@ -309,17 +267,27 @@ def admit(
     if decision.verdict is Verdict.RUN:
         assert decision.run_id is not None
         runtime.hold(decision.run_id, request.id, slots, holder, task.name, deferrals)
-        runtime.metrics.admitted(slots, backoff.seconds_waited(request))
+        runtime.metrics.admitted(slots, messages.seconds_waited(request))
         return decision.run_id
     if decision.verdict is Verdict.PARKED:
         logger.debug("%s[%s] parked: %s full", task.name, request.id, ", ".join(slots))
         task.end_deferred_copy(runtime, request, waiting)
     if decision.verdict is Verdict.ANSWERED:
-        logger.info(
-            "%s[%s]: the store answers for this task already (it waits, or another copy claimed it); "
-            "this copy ends", task.name, request.id,
-        )  # fmt: skip
+        if arrival.dispatch_run_id or arrival.redelivered:
+            # A copy of an earlier dispatch, or one the broker delivered again: expected after
+            # a slow hand-over or a warm shutdown.
+            logger.info(
+                "%s[%s]: the store answers for this task already (it waits, or another copy claimed it); "
+                "this copy ends", task.name, request.id,
+            )  # fmt: skip
+        else:
+            logger.warning(
+                "%s[%s]: this task id waits for its caps already, so this copy ends; if it was sent again "
+                "with the same task id on purpose, send it with an id of its own", task.name, request.id,
+            )  # fmt: skip
         raise Ignore()
+    if decision.verdict is Verdict.ID_IN_USE:
+        raise TaskIdInUse(task.name, request.id, list(slots))
     if decision.verdict is Verdict.GAVE_UP:
         raise CapWaitExceeded(task.name, request.id, time.time() - first_deferred_at, list(slots))
     reason = decision.verdict.value
@@ -329,7 +297,7 @@ def admit(
         if decision.verdict is Verdict.LIST_FULL
         else f"its message is over caps_park_max_payload_bytes ({parking.max_payload_bytes})",
     )  # fmt: skip
-    backoff.put_back(task, runtime, request, slots, list(slots), args, kwargs, reason=reason)
+    messages.put_back(task, runtime, request, slots, list(slots), args, kwargs, reason=reason)
 
 
 @dataclass(frozen=True)
@@ -373,7 +341,6 @@ def admit_when_sent(
     The trade-off: a store call on the sender's path (its latency, its connection, its outage:
     the task is then sent as usual) against one broker message less for a task that waits, and
     a burst whose first tasks take their slots as they are sent (the next ones see them taken)."""
-    from . import backoff
     from .runtime import runtime_for
 
     send_as_usual = Sent(task_id)
@@ -381,7 +348,7 @@ def admit_when_sent(
     if app.conf.task_always_eager or options.get("countdown") is not None or options.get("eta") is not None:
         return send_as_usual
     headers = options.get("headers") or {}
-    if DISPATCH_HEADER in headers or backoff.DEFERRALS_HEADER in headers:
+    if DISPATCH_HEADER in headers or messages.DEFERRALS_HEADER in headers:
         return send_as_usual  # the library's own copies
     try:
         runtime = runtime_for(app)
@@ -406,7 +373,7 @@ def admit_when_sent(
     if sent_options.get("expires") is not None:
         sent_options["expires"] = _absolute_expiry(app, sent_options["expires"])
     sent_options["headers"] = {
-        **headers, backoff.DEFERRALS_HEADER: 0, backoff.FIRST_DEFERRED_HEADER: first_deferred_at
+        **headers, messages.DEFERRALS_HEADER: 0, messages.FIRST_DEFERRED_HEADER: first_deferred_at
     }  # fmt: skip
     parent = app.current_worker_task
     if parent is not None and options.get("add_to_parent", True):
@@ -449,216 +416,3 @@ def admit_when_sent(
     logger.debug("%s[%s] parked when sent: %s full", task.name, task_id, ", ".join(slots))
     runtime.metrics.deferred(list(slots), "parked")
     return Sent(task_id, parked=task.AsyncResult(task_id))
-
-
-# -- payloads: the message a waiter is published with again ----------------------------
-
-
-def encode_payload(app: Celery, message: Mapping[str, Any]) -> bytes:
-    """``message`` (a signature as a dict) in the app's task serializer, with its content type."""
-    content_type, encoding, data = dumps(dict(message), serializer=app.conf.task_serializer)  # type: ignore[no-untyped-call]
-    body = data if isinstance(data, bytes) else data.encode(encoding)
-    return f"{content_type}\n{encoding}\n".encode() + body
-
-
-def decode_payload(payload: bytes) -> Any:
-    content_type, encoding, body = payload.split(b"\n", 2)
-    kind = content_type.decode()
-    return loads(body, kind, encoding.decode(), accept=[kind])  # type: ignore[no-untyped-call]
-
-
-# -- 3. release, wake and publish ----------------------------------------------------------
-
-#: True while the library publishes a waiting task again (a wake, a put-back): such a
-#: message goes to the broker, never to the waiting list at publish time.
-REPUBLISHING: ContextVar[bool] = ContextVar("celery_caps_republishing", default=False)
-
-
-def is_wake_queue(name: str) -> bool:
-    return name.endswith(WAKE_QUEUE_SUFFIX)
-
-
-def wake_queue_name(queue: str) -> str:
-    """The wake queue of ``queue`` (itself for a wake queue)."""
-    return queue if is_wake_queue(queue) else queue + WAKE_QUEUE_SUFFIX
-
-
-def queue_of_wake_queue(name: str) -> str:
-    """The queue whose wake queue is ``name``."""
-    return name[: -len(WAKE_QUEUE_SUFFIX)] if is_wake_queue(name) else name
-
-
-def wake_queue(name: str) -> Queue:
-    """The wake queue called ``name``, declared like a queue Celery creates when it is missing."""
-    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
-
-
-def _declared_queue(app: Celery, options: Mapping[str, Any]) -> str | None:
-    """The queue a message's options name, or reach through a declared binding (None: they do not say)."""
-    queue = options.get("queue")
-    if isinstance(queue, Queue):
-        return str(queue.name)
-    if isinstance(queue, str) and queue:
-        return queue
-    exchange, routing_key = options.get("exchange"), options.get("routing_key")
-    if isinstance(exchange, Exchange):
-        exchange = exchange.name
-    if not routing_key:
-        return None
-    if not exchange:
-        return str(routing_key)  # the default exchange routes by queue name
-    for candidate in app.amqp.queues.values():
-        bound = candidate.exchange is not None and candidate.exchange.name == exchange
-        if bound and candidate.routing_key == routing_key:
-            return str(candidate.name)
-    return None
-
-
-def destination_queue(app: Celery, signature: Any) -> str | None:
-    """The queue Celery sends ``signature`` to: the one its options name, else the one its router
-    chooses (``task_routes``, ``task_default_queue``); None if neither names a queue."""
-    options = dict(signature.options)
-    named = _declared_queue(app, options)
-    if named is not None:
-        return named
-    for option in ("exchange", "routing_key"):
-        options.pop(option, None)
-    routed = app.amqp.router.route(options, signature.task, tuple(signature.args or ()), dict(signature.kwargs or {}))
-    queue = routed.get("queue")
-    return str(queue.name) if isinstance(queue, Queue) else (queue or None)
-
-
-def publish_woken(app: Celery, woken: Sequence[Woken]) -> list[Woken]:
-    """Publish a copy of each dispatched waiter, carrying its dispatch run id, to the wake queue
-    of its queue; returns those published.  A failure is logged (task id only, never the
-    payload): the entry keeps answering for the task, and recovery dispatches it again once
-    the dispatch's deadline passes."""
-    if not woken:
-        return []
-    published = []
-    # Not a child of whatever task runs in this process (Celery would set parent_id).
-    current = app.current_worker_task
-    if current is not None:
-        current.push_request(called_directly=True)
-    republishing = REPUBLISHING.set(True)
-    try:
-        for waiter in woken:
-            try:
-                signature = app.signature(decode_payload(waiter.payload))
-                headers = {**(signature.options.get("headers") or {}), DISPATCH_HEADER: waiter.run_id}
-                queue = destination_queue(app, signature)
-                route: dict[str, Any] = {}
-                if queue is not None:
-                    route = {"queue": wake_queue(wake_queue_name(queue)), "exchange": None, "routing_key": None}
-                signature.apply_async(headers=headers, add_to_parent=False, **route)
-                published.append(waiter)
-            except Exception as exc:
-                logger.error(
-                    "could not publish waiting task %s[%s] (%s: %s); it is dispatched again once its dispatch expires",
-                    waiter.task_name, waiter.task_id, type(exc).__name__, exc,
-                )  # fmt: skip
-    finally:
-        REPUBLISHING.reset(republishing)
-        if current is not None:
-            current.pop_request()
-    return published
-
-
-def release(runtime: CapsContext, run_id: str) -> int:
-    """Release ``run_id``; with park in use, hand its room to waiters and publish them.
-
-    Returns the leases deleted.  Raises :class:`StoreError` like ``SlotStore.release``.
-    """
-    store = parking_store(runtime)
-    if store is None:
-        return runtime.store.release(run_id)
-    deleted, woken = store.release_and_wake(run_id, dispatch_lease_seconds(runtime))
-    publish_woken(runtime.app, woken)
-    return deleted
-
-
-def release_holder(runtime: CapsContext, task_id: str, holder: str) -> int:
-    """Release what ``holder`` (a dead pool process) held for ``task_id``; with park in use,
-    hand the room to waiters and publish them.  Returns the leases deleted."""
-    store = parking_store(runtime)
-    if store is None:
-        return runtime.store.release_holder(task_id, holder)
-    deleted, woken = store.release_holder_and_wake(task_id, holder, dispatch_lease_seconds(runtime))
-    publish_woken(runtime.app, woken)
-    return deleted
-
-
-def release_task(runtime: CapsContext, task_id: str) -> int:
-    """Release every lease of ``task_id`` (revoke); with park in use, hand the room to waiters
-    and publish them.  Returns the leases deleted."""
-    store = parking_store(runtime)
-    if store is None:
-        return runtime.store.release_task(task_id)
-    deleted, woken = store.release_task_and_wake(task_id, dispatch_lease_seconds(runtime))
-    publish_woken(runtime.app, woken)
-    return deleted
-
-
-def forget(runtime: CapsContext, task_id: str) -> int:
-    """``task_id`` is not to run (revoked, expired): take it off the waiting list, free its
-    dispatch leases for the next waiters and publish them.  Returns the entries removed."""
-    store = runtime.store
-    if not isinstance(store, ParkingStore):
-        return 0
-    removed, woken = store.forget(task_id, dispatch_lease_seconds(runtime))
-    publish_woken(runtime.app, woken)
-    return removed
-
-
-# -- 5. recovery ------------------------------------------------------------------------------
-
-
-def caps_of(app: Celery) -> set[str]:
-    """The names of the caps ``app``'s tasks declare (those registered now)."""
-    return {cap.name for task in list(app.tasks.values()) for cap in getattr(task, "_caps", ())}
-
-
-def recover(runtime: CapsContext, caps: Collection[str] | None = None) -> list[Woken]:
-    """Dispatch again what was never claimed, hand room freed by expiry to waiters, readmit
-    waiters past ``caps_max_wait_seconds``; publish them.  Returns those published.
-
-    Only the waiters of ``caps`` (cap names, or slot names), by default the caps of the app's
-    own tasks: a worker publishes the tasks it knows, never another app's that shares the store.
-
-    Raises:
-        StoreError: the store failed (the next call tries again).
-    """
-    store = parking_store(runtime)
-    if store is None:
-        return []
-    caps = caps_of(runtime.app) if caps is None else caps
-    if not caps:
-        return []
-    max_wait = runtime.settings.max_wait_seconds
-    woken = store.recover(
-        dispatch_lease_seconds(runtime),
-        caps=sorted(caps),
-        readmit_before=None if max_wait is None else time.time() - max_wait,
-    )
-    return publish_woken(runtime.app, woken)
-
-
-def readmit(runtime: CapsContext, slot: str) -> tuple[int, list[Woken]]:
-    """An operator empties ``slot``'s waiting list: its waiters are published to go through
-    admission again.  Returns how many were taken off and those published."""
-    store = runtime.store
-    if not isinstance(store, ParkingStore):
-        return 0, []
-    woken = store.readmit(slot, dispatch_lease_seconds(runtime))
-    return len(woken), publish_woken(runtime.app, woken)
-
-
-def check_store(app: Celery, store: SlotStore) -> None:
-    """At worker start: warn when park is chosen but the store cannot park (backoff is used)."""
-    settings = CapsSettings.from_conf(app.conf).parking
-    if settings.uses_park and not isinstance(store, ParkingStore):
-        logger.warning(
-            "caps_strategy chooses park, but the slot store %s has no waiting list: capped tasks "
-            "are put back with backoff instead",
-            type(store).__name__,
-        )

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import park
+from . import handover
 from .errors import LeaseLost, StoreError
 from .health import StoreHealth, describe
 from .history import HistoryRecorder
@@ -157,7 +157,7 @@ class CapsRuntime:
             reason = describe(exc) if isinstance(exc, StoreError) else str(exc)
             logger.info("celery-caps: the slot store was not warmed up (%s); the first task connects", reason)
             return
-        if not park.parks(self):
+        if not (self.settings.parking.uses_park and handover.parks(self)):
             return
         # With park, a pool process publishes woken tasks from its first runs on, while
         # hand-overs wait for those messages: connect its producer to the broker now.
@@ -284,7 +284,7 @@ class CapsRuntime:
                 )
             )  # fmt: skip
         try:
-            park.release(self, run_id)
+            handover.release(self, run_id)
         except StoreError as exc:
             logger.warning(
                 "could not release run %s (%s); retrying in the background (its leases expire within %.0f s)",
@@ -299,7 +299,7 @@ class CapsRuntime:
         failed may have committed its leases before its reply was lost."""
 
         def release_again() -> None:
-            if park.release(self, run_id):
+            if handover.release(self, run_id):
                 logger.info("released run %s after an earlier failure", run_id)
 
         with self._lock:

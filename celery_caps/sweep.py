@@ -12,18 +12,13 @@ a bounded set, and each one keeps a permanent sentinel row.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
 
 from .stores.base import SlotStore
-
-if TYPE_CHECKING:
-    from celery import Celery
 
 logger = logging.getLogger(__name__)
 
 SWEEP_TASK_NAME = "celery_caps.sweep"
 SWEEP_SCHEDULE_NAME = "celery-caps sweep"
-_INSTALLED_ATTRIBUTE = "_celery_caps_installed"
 
 
 def sweep_store(store: SlotStore, key_warning_threshold: int) -> int:
@@ -42,34 +37,3 @@ def sweep_store(store: SlotStore, key_warning_threshold: int) -> int:
                 key_warning_threshold,
             )
     return deleted
-
-
-def install(app: Celery) -> None:
-    """Register the sweep task on ``app`` and, once configured, its beat entry.  Idempotent."""
-    if getattr(app, _INSTALLED_ATTRIBUTE, False):
-        return
-    setattr(app, _INSTALLED_ATTRIBUTE, True)
-
-    from .runtime import runtime_for
-    from .worker import CapsWakeQueues, CapsWorkerStep
-
-    app.steps["worker"].add(CapsWorkerStep)
-    app.steps["consumer"].add(CapsWakeQueues)
-
-    @app.task(name=SWEEP_TASK_NAME, shared=False, ignore_result=True)  # type: ignore[untyped-decorator]
-    def sweep() -> int:
-        """Delete expired slot leases (keeps sentinels); returns how many were deleted."""
-        runtime = runtime_for(app)
-        return sweep_store(runtime.store, runtime.settings.key_warning_threshold)
-
-    def add_beat_entry(sender: Any = None, **_: Any) -> None:
-        from .settings import CapsSettings
-
-        interval = CapsSettings.from_conf(app.conf).sweep_interval_seconds
-        if interval is not None and SWEEP_SCHEDULE_NAME not in (app.conf.beat_schedule or {}):
-            app.add_periodic_task(interval, sweep.s(), name=SWEEP_SCHEDULE_NAME)
-
-    if app.configured:
-        add_beat_entry()
-    else:
-        app.on_after_configure.connect(add_beat_entry, weak=False)

@@ -31,7 +31,7 @@ from celery.app.task import Context
 from celery.exceptions import Ignore, Reject
 from celery.utils import uuid as new_task_id
 
-from . import backoff, park
+from . import backoff, handover, messages, park
 from .caps import Cap, normalize_caps, slots_for
 from .errors import CapWaitExceeded, LeaseLost, StoreError
 from .health import describe
@@ -112,7 +112,7 @@ class CappedTask(Task):  # type: ignore[misc]
         super().on_bound(app)
         cls._caps = normalize_caps(cls.cap, cls.name or cls.__name__)
         if cls._caps:
-            from .sweep import install
+            from .worker import install
 
             install(app)
 
@@ -213,12 +213,33 @@ class CappedTask(Task):  # type: ignore[misc]
             raise LeaseLost(f"task {self.name}[{self.request.id}] lost its slot lease (run {run_id})")
         return held
 
-    def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's ``retry``, releasing this run's slots before the retry is sent."""
+    def retry(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``retry``; this run's slots are released before the retry is sent when the
+        body ends with it (``throw=True``, retries left).  Otherwise the body goes on (``throw=False``,
+        or ``MaxRetriesExceededError`` caught) and keeps its slots until it ends."""
         run_id = getattr(self.request, "caps_run_id", None)
-        if run_id is not None:
+        if run_id is not None and throw and self._retry_will_be_sent(max_retries):
             runtime_for(self._get_app()).release(run_id)
-        return super().retry(*args, **kwargs)
+        return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+
+    def _retry_will_be_sent(self, max_retries: int | None) -> bool:
+        """Whether Celery's ``retry`` sends a retry now rather than raise ``MaxRetriesExceededError``
+        (or the given exception), by Celery's own rule."""
+        request = self.request
+        if request.called_directly:
+            return False
+        limit = self.max_retries if max_retries is None else max_retries
+        return limit is None or (request.retries or 0) < limit
 
     def apply_async(
         self,
@@ -234,13 +255,13 @@ class CappedTask(Task):  # type: ignore[misc]
         """Celery's; with ``caps_park_on_publish`` (off by default) and the park strategy, a task
         whose slots are full right now goes straight to the waiting list instead of the broker,
         and one whose slots have room takes them now, as a dispatch its worker claims on arrival."""
-        if self._caps and not park.REPUBLISHING.get():
+        if self._caps and not messages.REPUBLISHING.get():
             sent = park.admit_when_sent(self, args, kwargs, task_id, link, link_error, shadow, options)
             if sent.parked is not None:
                 return sent.parked
             task_id = sent.task_id
             if sent.dispatch_run_id is not None:
-                headers = {**(options.get("headers") or {}), park.DISPATCH_HEADER: sent.dispatch_run_id}
+                headers = {**(options.get("headers") or {}), messages.DISPATCH_HEADER: sent.dispatch_run_id}
                 options = {**options, "headers": headers}
                 try:
                     return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
@@ -252,7 +273,7 @@ class CappedTask(Task):  # type: ignore[misc]
     def _give_back_sent_slots(self, task_id: str | None, dispatch_run_id: str) -> None:
         """The task that took its slots when sent was not published: free them for the next waiters."""
         try:
-            park.release(runtime_for(self._get_app()), dispatch_run_id)
+            handover.release(runtime_for(self._get_app()), dispatch_run_id)
         except StoreError as exc:  # its dispatch lease expires
             logger.warning("%s[%s] not sent: its slots were not given back (%s)", self.name, task_id, exc)
 
@@ -265,15 +286,19 @@ class CappedTask(Task):  # type: ignore[misc]
         **extra_options: Any,
     ) -> Any:
         """Celery's (used by ``retry``, a put-back and parking), except that the copy it makes
-        carries none of this delivery's own headers (its dispatch), and a task woken into a
-        wake queue is sent on to its own queue, never to the wake queue."""
+        carries none of this delivery's own headers (its dispatch), a retry (a copy made without
+        ``headers=``) none of this attempt's wait either, and a task woken into a wake queue is
+        sent on to its own queue, never to the wake queue."""
         request = self.request if request is None else request
         routing_key = (getattr(request, "delivery_info", None) or {}).get("routing_key")
-        if queue is None and isinstance(routing_key, str) and park.is_wake_queue(routing_key):
-            queue = park.queue_of_wake_queue(routing_key)
+        if queue is None and isinstance(routing_key, str) and messages.is_wake_queue(routing_key):
+            queue = messages.queue_of_wake_queue(routing_key)
+        new_attempt = "headers" not in extra_options
         signature = super().signature_from_request(request, args, kwargs, queue=queue, **extra_options)
         if signature.options.get("headers"):
-            signature.options["headers"] = backoff.copied_headers(signature.options["headers"])
+            signature.options["headers"] = messages.copied_headers(
+                signature.options["headers"], new_attempt=new_attempt
+            )
         return signature
 
     # -- a copy that waits ------------------------------------------------------------
@@ -321,7 +346,7 @@ class CappedTask(Task):  # type: ignore[misc]
                 full = list(admission.full_slots)
             except StoreError as exc:
                 if settings.on_store_error != "defer":
-                    backoff.on_store_error(self, runtime, request, slots, (), {}, exc)
+                    messages.on_store_error(self, runtime, request, slots, (), {}, exc)
                     return None  # "run": uncapped ("fail" raised)
                 logger.warning("%s[%s] waits: slot store error (%s)", self.name, task_id, describe(exc))
                 admission, run_id, full = None, "", list(slots)
@@ -330,5 +355,5 @@ class CappedTask(Task):  # type: ignore[misc]
             waited = time.monotonic() - started
             if settings.max_wait_seconds is not None and waited >= settings.max_wait_seconds:
                 raise CapWaitExceeded(self.name, task_id, waited, full)
-            time.sleep(backoff.backoff_seconds(attempt, settings.backoff_min_seconds, settings.backoff_max_seconds))
+            time.sleep(messages.backoff_seconds(attempt, settings.backoff_min_seconds, settings.backoff_max_seconds))
             attempt += 1

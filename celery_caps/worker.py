@@ -22,12 +22,13 @@ from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery import bootsteps, signals
 from celery.worker.request import Request
 
-from . import park
+from . import handover
 from .errors import ConfigurationError, StoreError
 from .health import CheckResult, check_store
 from .settings import CapsSettings
 from .stores import store_from_url
 from .stores.base import ParkingStore
+from .sweep import SWEEP_SCHEDULE_NAME, SWEEP_TASK_NAME, sweep_store
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -48,11 +49,10 @@ def tasks_capped_without_base(app: Celery) -> list[str]:
     has a ``cap`` holding :class:`~celery_caps.Cap` objects and runs uncapped.
     """
     from .caps import Cap
-    from .task import CappedTask
 
     found = []
     for name, task in sorted(app.tasks.items()):
-        if isinstance(task, CappedTask):
+        if hasattr(task, "_caps"):  # a CappedTask (whose class holds its normalised caps)
             continue
         value = getattr(task, "cap", None)
         values = value if isinstance(value, (list, tuple, set, frozenset)) else (value,)
@@ -81,7 +81,9 @@ def _release_dead_run(request: Request, reason: str) -> None:
     holder = holder_name(request.hostname, request.worker_pid)
     task_id = request.id
     runtime = runtime_for(task.app)
-    runtime.in_background(f"releasing {task_id} after {reason}", lambda: park.release_holder(runtime, task_id, holder))
+    runtime.in_background(
+        f"releasing {task_id} after {reason}", lambda: handover.release_holder(runtime, task_id, holder)
+    )
 
 
 class CappedRequest(Request):  # type: ignore[misc]
@@ -115,10 +117,11 @@ class CappedRequest(Request):  # type: ignore[misc]
 
 
 class CapsWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
-    """With park in use, consume the wake queue of every task queue this worker consumes
-    (:data:`~celery_caps.park.WAKE_QUEUE_SUFFIX`), also of queues added later by the
+    """Consume the wake queue of every task queue this worker consumes
+    (:data:`~celery_caps.messages.WAKE_QUEUE_SUFFIX`), also of queues added later by the
     ``add_consumer`` control command: a woken task, its slot already taken for it,
-    overtakes its queue's backlog.  A wake queue is dropped with its queue."""
+    overtakes its queue's backlog.  A wake queue is dropped with its queue.  Consumed whatever
+    strategy the app chooses now: tasks parked before a switch to backoff are still woken."""
 
     label = "celery-caps wake queues"
     requires = ("celery.worker.consumer.tasks:Tasks",)
@@ -126,10 +129,10 @@ class CapsWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, consumer: Any, **kwargs: Any) -> None:
         super().__init__(consumer, **kwargs)
         # Whatever tasks it knows now: tasks registered later (``reload()``) park too.
-        self.enabled = _park_in_use(consumer.app)
+        self.enabled = _caps_configured(consumer.app)
 
     def start(self, consumer: Any) -> None:
-        from .park import is_wake_queue, wake_queue, wake_queue_name
+        from .messages import is_wake_queue, wake_queue, wake_queue_name
 
         queues = consumer.app.amqp.queues
         for queue in list(consumer.task_consumer.queues):
@@ -160,9 +163,9 @@ class CapsWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
         consumer.cancel_task_queue = cancel_with_wake_queue
 
 
-def _park_in_use(app: Celery) -> bool:
+def _caps_configured(app: Celery) -> bool:
     try:
-        return CapsSettings.from_conf(app.conf).parking.uses_park
+        return CapsSettings.from_conf(app.conf).url not in (None, "")
     except Exception:  # a bad setting is reported by CapsWorkerStep, which stops the worker
         return False
 
@@ -173,9 +176,10 @@ RECOVERY_SECONDS = 2.0
 
 
 class Recovery(threading.Thread):
-    """Main process, with park in use: every :data:`RECOVERY_SECONDS`, one store call that keeps
-    waiters moving when no release does (:func:`celery_caps.park.recover`): dispatches never
-    claimed are dispatched again, room freed by expired leases goes to waiters, waiters past
+    """Main process, with a store that keeps a waiting list (whatever the strategy): every
+    :data:`RECOVERY_SECONDS`, one store call that keeps waiters moving when no release does
+    (:func:`celery_caps.handover.recover`): dispatches never claimed are dispatched again, room
+    freed by expired leases (or by a raised limit) goes to waiters, waiters past
     ``caps_max_wait_seconds`` are readmitted.  Every worker runs one; several at once are safe.
     A store outage is reported by the runtime's :class:`~celery_caps.health.StoreHealth`: when
     it starts, at most once a minute while it lasts, and when it ends."""
@@ -194,7 +198,7 @@ class Recovery(threading.Thread):
 
     def tick(self) -> None:
         try:
-            published = park.recover(self.runtime)
+            published = handover.recover(self.runtime)
         except StoreError as exc:
             self.runtime.health.failed(exc)
             return
@@ -273,7 +277,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Refuses to start a worker whose app has capped tasks but no usable caps settings, or
     tasks given ``cap=`` without ``base=CappedTask``; checks the store (:class:`StoreCheck`);
     serves the metrics endpoint (``caps_metrics_port``, ``--caps-metrics-port``); runs
-    :class:`Recovery` with park in use."""
+    :class:`Recovery` when the store keeps a waiting list."""
 
     label = "celery-caps"
     # Started once the pool has forked its processes: a thread of this process that is inside a
@@ -287,6 +291,8 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self._metrics_server: Any = None
         self._recovery: Recovery | None = None
         self._store_check: StoreCheck | None = None
+        #: The store keeps a waiting list: this worker recovers its waiters, whatever the strategy.
+        self._serves_waiters = False
         app = worker.app
         refuse_tasks_capped_without_base(app)
         capped = sorted(name for name, task in app.tasks.items() if _is_capped(task))
@@ -299,7 +305,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         url = settings.require_url()
         store = store_from_url(url, settings.store_options)
         display = getattr(store, "display_url", type(store).__name__)
-        park.check_store(app, store)
+        handover.check_store(app, store)
         from .stores.memory import MemoryStore
 
         if isinstance(store, MemoryStore):
@@ -315,6 +321,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 durability = None
             if durability:
                 logger.warning("celery-caps: parked tasks can be lost: %s", durability)
+        self._serves_waiters = isinstance(store, ParkingStore)
         store.close()
         if settings.metrics_port is not None:
             from . import metrics
@@ -331,7 +338,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         self._store_check = StoreCheck(runtime)
         self._store_check.start()
-        if runtime.settings.parking.uses_park:
+        if self._serves_waiters:
             self._recovery = Recovery(runtime)
             self._recovery.start()
         if runtime.settings.metrics_port is None:
@@ -359,6 +366,37 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             self._metrics_server = None
 
 
+#: Set on an app once :func:`install` has run.
+_INSTALLED_ATTRIBUTE = "_celery_caps_installed"
+
+
+def install(app: Celery) -> None:
+    """Give ``app`` what its capped tasks need: the worker's steps (its checks at start, the
+    wake queues, recovery) and the sweep task with, once configured, its beat entry.
+    Idempotent; called when a capped task is bound to ``app`` and when a worker of it starts."""
+    if getattr(app, _INSTALLED_ATTRIBUTE, False):
+        return
+    setattr(app, _INSTALLED_ATTRIBUTE, True)
+    app.steps["worker"].add(CapsWorkerStep)
+    app.steps["consumer"].add(CapsWakeQueues)
+
+    @app.task(name=SWEEP_TASK_NAME, shared=False, ignore_result=True)  # type: ignore[untyped-decorator]
+    def sweep() -> int:
+        """Delete expired slot leases (keeps sentinels); returns how many were deleted."""
+        runtime = runtime_for(app)
+        return sweep_store(runtime.store, runtime.settings.key_warning_threshold)
+
+    def add_beat_entry(sender: Any = None, **_: Any) -> None:
+        interval = CapsSettings.from_conf(app.conf).sweep_interval_seconds
+        if interval is not None and SWEEP_SCHEDULE_NAME not in (app.conf.beat_schedule or {}):
+            app.add_periodic_task(interval, sweep.s(), name=SWEEP_SCHEDULE_NAME)
+
+    if app.configured:
+        add_beat_entry()
+    else:
+        app.on_after_configure.connect(add_beat_entry, weak=False)
+
+
 @signals.worker_init.connect  # type: ignore[untyped-decorator]
 def _install_on_worker_init(sender: Any = None, **_: Any) -> None:
     # Before the worker builds its steps: an app with caps configured gets them (the wake queues
@@ -369,8 +407,6 @@ def _install_on_worker_init(sender: Any = None, **_: Any) -> None:
     # imported its task modules and finalized the app by now.
     app = getattr(sender, "app", None)
     if app is not None and (app.conf.get("caps_url") not in (None, "") or tasks_capped_without_base(app)):
-        from .sweep import install
-
         install(app)
 
 
@@ -404,19 +440,17 @@ def _release_on_process_shutdown(**_: Any) -> None:
 @signals.task_revoked.connect  # type: ignore[untyped-decorator]
 def _release_on_revoke(sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
     # Main process.  revoke(terminate=True): every lease of the task id goes, whatever run holds
-    # it.  Any revoke (or an expired message) discarded here: with park in use, the task also
-    # leaves the waiting list and its dispatch leases go to the next waiters, or the sweep would
-    # dispatch it again and again, each copy discarded like this one.
+    # it.  Any revoke (or an expired message) discarded here: the task also leaves the waiting
+    # list and its dispatch leases go to the next waiters, or recovery would dispatch it again
+    # and again, each copy discarded like this one.
     if not _is_capped(sender) or request is None:
         return
     runtime = runtime_for(sender.app)
-    if not (terminated or runtime.settings.parking.uses_park):
-        return
     task_id = request.id
 
     def release_revoked() -> int:
-        released = park.release_task(runtime, task_id) if terminated else 0
-        return released + park.forget(runtime, task_id)
+        released = handover.release_task(runtime, task_id) if terminated else 0
+        return released + handover.forget(runtime, task_id)
 
     runtime.in_background(f"releasing revoked task {task_id}", release_revoked)
 
@@ -438,7 +472,7 @@ def _release_on_worker_shutdown(sender: Any = None, **_: Any) -> None:
             if request.worker_pid is None:
                 continue
             try:
-                park.release_holder(runtime, request.id, holder_name(request.hostname, request.worker_pid))
+                handover.release_holder(runtime, request.id, holder_name(request.hostname, request.worker_pid))
             except StoreError as exc:
                 logger.warning("could not release %s at shutdown (%s)", request.id, exc)
     if runtime is not None:

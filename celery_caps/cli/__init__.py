@@ -338,7 +338,7 @@ def sweep(ctx: click.Context) -> None:
     """Delete expired leases now (sentinels are kept); print what was removed.  With park in
     use, then do what every worker's recovery does: dispatch again what was never claimed,
     wake what fits, readmit those past caps_max_wait_seconds."""
-    from .. import park
+    from .. import handover
 
     operator = operator_for(ctx)
     expired = [lease for lease in guard(operator.store.leases) if lease.expires_in <= 0]
@@ -346,8 +346,8 @@ def sweep(ctx: click.Context) -> None:
     if expired:
         new_console().print(lease_table(expired, title="expired leases found"))
     click.echo(f"deleted {deleted} expired lease(s)")
-    if park.parks(operator):
-        published = guard(lambda: park.recover(operator))
+    if handover.parks(operator):
+        published = guard(lambda: handover.recover(operator))
         click.echo(f"published {len(published)} waiting task(s)")
 
 
@@ -381,7 +381,7 @@ def schema(ctx: click.Context, print_sql: bool) -> None:
 def release(ctx: click.Context, task_id: str, yes: bool) -> None:
     """Force-release every lease of TASK_ID (its slots free at once; a running task runs on);
     a parked TASK_ID leaves the waiting list (it will not run)."""
-    from .. import park
+    from .. import handover
     from ..stores import checks
 
     operator = operator_for(ctx)
@@ -401,8 +401,8 @@ def release(ctx: click.Context, task_id: str, yes: bool) -> None:
         if waiting:
             what.append("drop it from the waiting list (it will not run)")
         click.confirm(f"Release {' and '.join(what)} of task {task_id}?", abort=True)
-    released = guard(lambda: park.release_task(operator, task_id))
-    removed = guard(lambda: park.forget(operator, task_id))
+    released = guard(lambda: handover.release_task(operator, task_id))
+    removed = guard(lambda: handover.forget(operator, task_id))
     if leases or released:
         click.echo(f"released {released} lease(s) of task {task_id}")
     if removed:
@@ -480,7 +480,7 @@ def drain(ctx: click.Context, name: str, yes: bool, dry_run: bool) -> None:
     that is lost is published again by the workers' recovery.  The tasks then go through
     admission again (and park again if their caps still park and are full).
     """
-    from .. import park
+    from .. import handover
 
     operator = _parking_operator(ctx)
     waiting = [waiter for waiter in _waiters_of(operator, name) if not waiter.dispatched]
@@ -496,7 +496,7 @@ def drain(ctx: click.Context, name: str, yes: bool, dry_run: bool) -> None:
         click.confirm(f"Publish {len(tasks)} waiting task(s) of {name} back to the broker?", abort=True)
     taken = published = 0
     for slot in sorted({waiter.slot for waiter in waiting}):
-        dispatched, sent = guard(functools.partial(park.readmit, operator, slot))
+        dispatched, sent = guard(functools.partial(handover.readmit, operator, slot))
         taken += dispatched
         published += len(sent)
     click.echo(f"published {published} waiting task(s) of {name}; each leaves the waiting list when its copy arrives")
@@ -513,14 +513,14 @@ def drain(ctx: click.Context, name: str, yes: bool, dry_run: bool) -> None:
 def redispatch(ctx: click.Context, name: str) -> None:
     """Dispatch now the tasks waiting for NAME (a cap with all its keys, or one slot) whose slots
     have room, and those whose dispatch expired unclaimed: the workers' recovery, at once."""
-    from .. import park
+    from .. import handover
 
     operator = _parking_operator(ctx)
     slots = sorted({waiter.slot for waiter in _waiters_of(operator, name)})
     if not slots:
         click.echo(f"{name}: no waiting task")
         return
-    sent = guard(lambda: park.recover(operator, slots))
+    sent = guard(lambda: handover.recover(operator, slots))
     click.echo(f"dispatched {len(sent)} waiting task(s) of {name}")
     for waiter in sent:
         click.echo(f"  {waiter.task_id} {waiter.task_name or '?'}")

@@ -259,7 +259,11 @@ class MemoryStore(ParkingStore):
                 # Only a copy of the dispatch the tombstone records may go on: that claim retried,
                 # or its copy redelivered (its run may have died).  A copy of any other dispatch ends.
                 same_dispatch = entry.dispatch_run_id == run_id
-                return ClaimOutcome.ADMIT if same_dispatch and (redelivered or entry.claimed_by == holder) else ClaimOutcome.END
+                return (
+                    ClaimOutcome.ADMIT
+                    if same_dispatch and (redelivered or entry.claimed_by == holder)
+                    else ClaimOutcome.END
+                )
             if entry.dispatch_run_id != run_id:
                 return ClaimOutcome.END
             self._settle_locked(entry, now, holder, tombstone=True)

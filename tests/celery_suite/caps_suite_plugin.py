@@ -119,7 +119,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """Hide the wake queues from the conftest's check that the session app knows no queue but
     ``celery``: with park, a worker also consumes ``celery.caps-wake`` (a documented difference).
     Wake messages are published to a ``Queue`` object, never looked up in ``app.amqp.queues``."""
-    from celery_caps.park import is_wake_queue
+    from celery_caps.messages import is_wake_queue
 
     app = _session.get("app")
     hidden = {}

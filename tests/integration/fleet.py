@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from celery import Celery
 
-from celery_caps.park import wake_queue_name
+from celery_caps.messages import wake_queue_name
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import Lease, ParkingStore, SlotStore
 from tests.integration.fleetapp import Recorder, make_app, queue_name

@@ -468,22 +468,22 @@ def _die_before_publishing_wakes(app: Celery, budget: int) -> None:
     after the store committed the dispatch and before its messages are published."""
     from billiard.process import current_process
 
-    from celery_caps import park
+    from celery_caps import handover
 
-    publish_woken = park.publish_woken
+    publish_woken = handover.publish_woken
     recorder: Recorder = app.recorder  # type: ignore[attr-defined]
 
-    def publish_or_die(app: Celery, woken: Any) -> Any:
+    def publish_or_die(runtime: Any, woken: Any) -> Any:
         in_pool = current_process().name.startswith("ForkPoolWorker")
         if woken and in_pool and recorder.client.incr(recorder.key("wake-deaths")) <= budget:
-            current = app.current_worker_task
+            current = runtime.app.current_worker_task
             recorder.client.rpush(recorder.key("died-before-wake"), *[waiter.task_id for waiter in woken])
             if current is not None:
                 recorder.client.rpush(recorder.key("died-releasing"), current.request.id)
             os._exit(137)
-        return publish_woken(app, woken)
+        return publish_woken(runtime, woken)
 
-    park.publish_woken = publish_or_die
+    handover.publish_woken = publish_or_die
 
 
 app = make_app(os.environ)

@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 from celery.signals import before_task_publish
 
-from celery_caps.park import DISPATCH_HEADER, WAKE_QUEUE_SUFFIX, publish_woken
+from celery_caps.handover import publish_woken
+from celery_caps.messages import DISPATCH_HEADER, WAKE_QUEUE_SUFFIX
+from celery_caps.runtime import runtime_for
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import DISPATCH_HOLDER, SlotStore
 from celery_caps.worker import RECOVERY_SECONDS
@@ -329,13 +331,13 @@ def test_a_woken_copy_that_comes_after_its_dispatch_expired_and_the_task_was_dis
 
     # ... whose slot is handed to the second with a dispatch lease of 1 s, its woken copy sent
     _, [woken] = fleet.store.release_and_wake(taken.run_id, 1.0)
-    assert woken.task_id == second and publish_woken(fleet.app, [woken]) == [woken]
+    assert woken.task_id == second and publish_woken(runtime_for(fleet.app), [woken]) == [woken]
     # When that dispatch expires (its copy is late) and recovery dispatches the task again,
     # for a minute, with a second copy
     wait_for(lambda: all(lease.expires_in <= 0 for lease in fleet.leases(slot)), 10, "the dispatch never expired")
     [again] = fleet.store.recover(60.0, caps=[slot])
     assert again.task_id == second and again.run_id != woken.run_id
-    assert publish_woken(fleet.app, [again]) == [again]
+    assert publish_woken(runtime_for(fleet.app), [again]) == [again]
     fleet.start(1, concurrency=1)
 
     # Then the second task runs once, by the second copy: the late first copy, finding the task

@@ -28,8 +28,8 @@ from celery.contrib.testing.worker import start_worker
 from kombu.message import Message
 
 from celery_caps import Cap, CappedTask
-from celery_caps.backoff import COUNTDOWN_HEADER
 from celery_caps.caps import slots_for
+from celery_caps.messages import COUNTDOWN_HEADER
 from celery_caps.stores.memory import MemoryStore
 from celery_caps.worker import CappedRequest
 

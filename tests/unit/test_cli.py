@@ -27,7 +27,7 @@ from click.testing import CliRunner, Result
 
 from celery_caps import Cap, CappedTask
 from celery_caps.cli import caps, duration, parse_duration
-from celery_caps.park import encode_payload, wake_queue_name
+from celery_caps.messages import encode_payload, wake_queue_name
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import DISPATCH_HOLDER, HistoryEvent, ParkingStore, ParkOutcome, ParkRequest, SlotStore
 from celery_caps.stores.sql import SCHEMA_VERSION

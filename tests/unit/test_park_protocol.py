@@ -2,7 +2,7 @@
 
 What is real: the store (memory, SQLite, PostgreSQL, MySQL/MariaDB, Redis), the
 arrival decision of :func:`celery_caps.park.decide`, and the library's own rules
-for which headers a copy carries (:mod:`celery_caps.backoff`).  What is simulated,
+for which headers a copy carries (:mod:`celery_caps.messages`).  What is simulated,
 as Celery and its brokers behave (``shared/CELERY-NOTES.md``):
 
 - a broker that delivers at least once: a worker *reserves* messages into a
@@ -56,7 +56,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from celery_caps import backoff, park
+from celery_caps import messages, park
 from celery_caps.errors import StoreError
 from celery_caps.stores.base import SlotStore, Woken
 from celery_caps.stores.memory import MemoryStore
@@ -208,13 +208,14 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
 
         def publish(self, task: str, retries: int, headers: dict[str, Any]) -> None:
             message = Message(next(self.mids), task, retries, headers)
-            self.note(f"publish m{message.mid} {task}/{retries} dispatch={headers.get(park.DISPATCH_HEADER, '-')[:6]}")
+            dispatch = headers.get(messages.DISPATCH_HEADER, "-")[:6]
+            self.note(f"publish m{message.mid} {task}/{retries} dispatch={dispatch}")
             self.queue.append(message)
 
         def publish_woken(self, woken: list[Woken]) -> None:
             for waiter in woken:
                 parked = json.loads(waiter.payload)
-                headers = {**parked["headers"], park.DISPATCH_HEADER: waiter.run_id}
+                headers = {**parked["headers"], messages.DISPATCH_HEADER: waiter.run_id}
                 self.publish(parked["task"], parked["retries"], headers)
 
         def ack(self, message: Message) -> None:
@@ -277,8 +278,8 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             process = state.process
             message = process.message
             assert message is not None
-            dispatch = message.headers.get(park.DISPATCH_HEADER)
-            first = backoff.first_deferred_at(SimpleNamespace(headers=message.headers)) or self.clock.time()
+            dispatch = message.headers.get(messages.DISPATCH_HEADER)
+            first = messages.first_deferred_at(SimpleNamespace(headers=message.headers)) or self.clock.time()
             arrival = park.Arrival(
                 task_id=self.task_id(message.task),
                 task_name="model.task",
@@ -289,10 +290,10 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 first_deferred_at=first,
             )
             request = SimpleNamespace(headers=message.headers)
-            deferrals = backoff.deferrals_of(request)
+            deferrals = messages.deferrals_of(request)
 
             def payload() -> bytes:
-                headers = backoff.republish_headers(request, deferrals, first)
+                headers = messages.republish_headers(request, deferrals, first)
                 return json.dumps({"task": message.task, "retries": message.retries, "headers": headers}).encode()
 
             run_id = process.new_run_id
@@ -311,7 +312,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 # answers; put the copy back; acknowledge the original.
                 self.note(f"{state.holder} m{message.mid} {message.task}: {exc}; put back")
                 state.pending_releases.append(run_id)
-                self.publish(message.task, message.retries, backoff.republish_headers(request, deferrals, first))
+                self.publish(message.task, message.retries, messages.republish_headers(request, deferrals, first))
                 process.phase = "acking"
                 return
             self.note(
@@ -385,7 +386,8 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             assert message is not None
             if process.retry:
                 # Celery copies every header of the request; the library's copy rule applies.
-                self.publish(message.task, message.retries + 1, backoff.copied_headers(message.headers))
+                retry_headers = messages.copied_headers(message.headers, new_attempt=True)
+                self.publish(message.task, message.retries + 1, retry_headers)
             process.phase = "acking"
 
         @precondition(lambda self: self.able("acking"))

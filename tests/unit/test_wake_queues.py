@@ -9,8 +9,8 @@ from celery import Celery
 from kombu.entity import Exchange, Queue
 
 from celery_caps import Cap, CappedTask
-from celery_caps.park import WAKE_QUEUE_SUFFIX, destination_queue, queue_of_wake_queue, wake_queue_name
-from celery_caps.park import _declared_queue as declared_queue
+from celery_caps.messages import WAKE_QUEUE_SUFFIX, destination_queue, queue_of_wake_queue, wake_queue_name
+from celery_caps.messages import _declared_queue as declared_queue
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def _request(delivery_info: dict[str, Any]) -> Any:
 def test_tasks_sent_to_a_full_cap_are_parked_with_their_group_and_links(app: Celery) -> None:
     from celery import group
 
-    from celery_caps.park import decode_payload
+    from celery_caps.messages import decode_payload
     from celery_caps.runtime import runtime_for
 
     app.conf.caps_strategy = "park"
