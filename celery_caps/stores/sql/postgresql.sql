@@ -100,10 +100,13 @@ END $$
 ;
 
 -- Park (the park strategy's admission), in ParkingStore.park's order: lock the sentinels; the
--- task's entry, waiting or dispatched, answers for it ('waiting'); admission's count and leases
+-- task's entry, waiting or dispatched, answers for it: 'waiting' if it is of the same task name
+-- and the same set of slots (a copy of the task; its limits may differ), else 'id_in_use' (the id
+-- reused by another task), changing nothing; admission's count and leases
 -- ('admitted'); without a payload, 'full'; a slot whose list holds p_max_waiters entries,
 -- 'waitlist_full'; else the task's tombstone (if any) gives way to its waiting entry, which keeps
--- its count of dispatches, one row per slot at the store's clock ('parked').
+-- its count of dispatches, one row per slot at the store's clock, without a limit: its slots'
+-- limits are their sentinels' ('parked').
 --
 -- The hot-path functions below plan each statement once per session: these are key lookups whose
 -- best plan never depends on the values, and re-planning a dozen of them costs more than running
@@ -122,10 +125,19 @@ DECLARE
     v_full text[];
     v_now double precision;
     v_dispatches integer;
+    v_listed_slots text[];
+    v_same_name boolean;
 BEGIN
     PERFORM concurrency_slots_lock_sentinels(p_slots, p_limits);
-    IF EXISTS (SELECT 1 FROM concurrency_waiters w WHERE w.task_id = p_task_id AND w.done_until IS NULL) THEN
-        RETURN 'waiting';
+    SELECT array_agg(w.slot), bool_and(w.task_name IS NOT DISTINCT FROM p_task_name)
+    INTO v_listed_slots, v_same_name
+    FROM concurrency_waiters w WHERE w.task_id = p_task_id AND w.done_until IS NULL;
+    IF v_listed_slots IS NOT NULL THEN
+        -- (Sets compared: an entry's slots and p_slots each name a slot once.)
+        IF v_same_name AND v_listed_slots <@ p_slots AND p_slots <@ v_listed_slots THEN
+            RETURN 'waiting';
+        END IF;
+        RETURN 'id_in_use';
     END IF;
     v_now := concurrency_slots_now();
     v_full := concurrency_slots_full(p_slots, p_limits, p_task_id, v_now);
@@ -148,10 +160,9 @@ BEGIN
         RETURNING w.dispatches)
     SELECT coalesce(max(gone.dispatches), 0) INTO v_dispatches FROM gone;
     INSERT INTO concurrency_waiters
-        (slot, task_id, slot_limit, slot_count, first_deferred_at, parked_at, task_name, payload, dispatches)
-    SELECT u.slot, p_task_id, u.slot_limit, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_payload,
-        v_dispatches
-    FROM unnest(p_slots, p_limits) AS u(slot, slot_limit);
+        (slot, task_id, slot_count, first_deferred_at, parked_at, task_name, payload, dispatches)
+    SELECT u.slot, p_task_id, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_payload, v_dispatches
+    FROM unnest(p_slots) AS u(slot);
     -- The lists' counts last: only parks add to them, under the sentinels' locks.
     INSERT INTO concurrency_waitlists (slot, entries) SELECT u.slot, 1 FROM unnest(p_slots) AS u(slot)
     ON CONFLICT (slot) DO UPDATE SET entries = concurrency_waitlists.entries + 1;
@@ -166,7 +177,9 @@ END $$
 -- need; walk the waiters of the locked slots in their order (first deferral, park time, task id),
 -- streaming, and dispatch each that waits for one of p_released and whose every slot is locked
 -- and has room (and still waits: a readmit or a forget may have taken it since the walk began);
--- stop once every slot seen is full.  One row per woken waiter.
+-- stop once every slot seen is full.  Room is counted against each slot's limit as its sentinel
+-- holds it now (read as the sentinels are locked), never a limit a waiter was parked under; a
+-- slot without a limit counts as full.  One row per woken waiter.
 CREATE OR REPLACE FUNCTION concurrency_slots_wake(p_released text[], p_dispatch_lease_seconds double precision)
 RETURNS TABLE (
     o_task_id text, o_run_id text, o_payload bytea, o_task_name text
@@ -182,6 +195,11 @@ DECLARE
     v_released text[] := p_released;
     v_waited text[];
     v_locked text[];
+    -- The locked slots' limits (their sentinels'), v_limit_values[i] of v_limit_slots[i].
+    v_limit_slots text[];
+    v_limit_values integer[];
+    v_more_slots text[];
+    v_more_values integer[];
     v_now double precision;
     v_seen_slots text[] := '{}';
     v_seen_limits integer[] := '{}';
@@ -199,7 +217,10 @@ DECLARE
     f_count integer;
     f_name text;
 BEGIN
-    PERFORM 1 FROM concurrency_slots c WHERE c.run_id = '' AND c.slot = ANY(v_released) ORDER BY c.slot FOR UPDATE;
+    SELECT coalesce(array_agg(l.slot), '{}'), coalesce(array_agg(l.slot_limit), '{}')
+    INTO v_limit_slots, v_limit_values FROM (
+        SELECT c.slot, c.slot_limit FROM concurrency_slots c
+        WHERE c.run_id = '' AND c.slot = ANY(v_released) ORDER BY c.slot FOR UPDATE) l;
     IF NOT EXISTS (
         SELECT 1 FROM concurrency_waiters x WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL)
     THEN
@@ -216,10 +237,14 @@ BEGIN
         WHERE w.task_id IN (
             SELECT x.task_id FROM concurrency_waiters x
             WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL AND x.slot_count > 1);
-        SELECT v_released || coalesce(array_agg(m.slot), '{}') INTO v_locked FROM (
-            SELECT c.slot FROM concurrency_slots c
+        SELECT coalesce(array_agg(m.slot), '{}'), coalesce(array_agg(m.slot_limit), '{}')
+        INTO v_more_slots, v_more_values FROM (
+            SELECT c.slot, c.slot_limit FROM concurrency_slots c
             WHERE c.run_id = '' AND c.slot = ANY(v_waited) AND NOT (c.slot = ANY(v_released))
             ORDER BY c.slot FOR UPDATE SKIP LOCKED) m;
+        v_locked := v_released || v_more_slots;
+        v_limit_slots := v_limit_slots || v_more_slots;
+        v_limit_values := v_limit_values || v_more_values;
     END IF;
     v_now := concurrency_slots_now();
     -- One waiter's rows are adjacent in this order, read as they come (a long list is not read
@@ -228,17 +253,19 @@ BEGIN
     -- equality, so the list's index streams it in order, unsorted.)
     IF cardinality(v_locked) = 1 THEN
         OPEN v_waiters FOR
-            SELECT w.task_id, w.slot, w.slot_limit, w.slot_count, w.task_name FROM concurrency_waiters w
+            SELECT w.task_id, w.slot, w.slot_count, w.task_name FROM concurrency_waiters w
             WHERE w.slot = v_locked[1] AND w.dispatch_run_id IS NULL
             ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
     ELSE
         OPEN v_waiters FOR
-            SELECT w.task_id, w.slot, w.slot_limit, w.slot_count, w.task_name FROM concurrency_waiters w
+            SELECT w.task_id, w.slot, w.slot_count, w.task_name FROM concurrency_waiters w
             WHERE w.slot = ANY(v_locked) AND w.dispatch_run_id IS NULL
             ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
     END IF;
     LOOP
-        FETCH v_waiters INTO f_task, f_slot, f_limit, f_count, f_name;
+        FETCH v_waiters INTO f_task, f_slot, f_count, f_name;
+        -- The slot's limit (its sentinel's; none: 0, full).
+        f_limit := coalesce(v_limit_values[array_position(v_limit_slots, f_slot)], 0);
         IF v_task IS NOT NULL AND f_task IS DISTINCT FROM v_task THEN
             -- Waiter v_task is complete: dispatch it if it waits for a released slot, all its
             -- slots are locked here and each has room (or is held by it already); a waiter
@@ -430,8 +457,10 @@ BEGIN
         RETURN 'admit';
     END IF;
     IF v_done THEN
-        -- This very claim's tombstone: the claim retried, its leases expired meanwhile.
-        RETURN CASE WHEN p_redelivered OR (v_dispatch = p_run_id AND v_claimed_by = p_holder)
+        -- Only a copy of the dispatch the tombstone records goes on: redelivered (its run may
+        -- have died), or this very claim retried (its leases expired meanwhile).  A copy of any
+        -- other dispatch ends, redelivered or not.
+        RETURN CASE WHEN v_dispatch = p_run_id AND (p_redelivered OR v_claimed_by IS NOT DISTINCT FROM p_holder)
             THEN 'admit' ELSE 'end' END;
     END IF;
     IF v_dispatch IS DISTINCT FROM p_run_id THEN

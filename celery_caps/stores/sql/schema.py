@@ -1,15 +1,17 @@
 """The SQL store's schema: four tables, one version.
 
 * ``concurrency_slots``: a **sentinel** row per slot name (``run_id = ''``, ``expires_at``
-  NULL, the last limit seen in ``slot_limit``), never deleted by the sweep, which admission
+  NULL, the last limit seen in ``slot_limit``: the slot's limit, which admission and every
+  hand-over to a waiter count against), never deleted by the sweep, which admission
   locks before it counts, so two contenders for the last slot always serialise on it; and a
   **lease** row per held slot and run (``run_id``, ``task_id``, ``holder``, ``expires_at`` in
   seconds since the epoch by the **database's clock**, and for operators ``task_name`` and
   ``acquired_at``).
 * ``concurrency_waiters``: the waiting list of the park strategy, one row per parked task and
-  slot it needs (its payload, first-deferral time, how many times it was dispatched, and while
-  dispatched the run id and deadline of its dispatch; a tombstone has ``done_until`` set, keeps
-  its dispatch's run id and, if a claim made it, the claiming holder).
+  slot it needs (its task name, payload, first-deferral time, how many times it was dispatched,
+  and while dispatched the run id and deadline of its dispatch; a tombstone has ``done_until``
+  set, keeps its dispatch's run id and, if a claim made it, the claiming holder).  It holds no
+  limit: a waiter is dispatched against its slots' sentinels, as they are at that moment.
 * ``concurrency_waitlists``: how many entries (waiting or dispatched) each slot's list holds, so
   that a park checks ``caps_park_max_waiters`` without counting the list.  Parks add to it under
   the slot's sentinel lock; the steps that take entries off the list (a claim, a forget) take
@@ -96,7 +98,6 @@ concurrency_waiters = sa.Table(
     metadata,
     sa.Column("slot", _exact_text(MAX_SLOT_LENGTH), primary_key=True),
     sa.Column("task_id", _exact_text(MAX_TASK_ID_LENGTH), primary_key=True),
-    sa.Column("slot_limit", sa.Integer(), nullable=False),
     sa.Column("slot_count", sa.Integer(), nullable=False, comment="how many slots the task needs"),
     sa.Column("first_deferred_at", sa.Double(), nullable=False, comment="epoch seconds, deferring worker's clock"),
     sa.Column("parked_at", sa.Double(), nullable=False, comment="store-clock epoch seconds"),
@@ -124,10 +125,10 @@ concurrency_waiters = sa.Table(
         postgresql_where=sa.text("slot_count > 1"),
         sqlite_where=sa.text("slot_count > 1"),
     ),
-    # Recovery's: whether a slot's waiters include one parked with a limit above its holders
-    # (room for it), and the oldest waiter (whether any is past the maximum wait).
-    sa.Index("ix_concurrency_waiters_limit", "slot", "slot_limit"),
+    # Recovery's: the oldest waiter (whether any is past the maximum wait), and the entries of
+    # the tasks a worker knows by name (whatever their slots are called).
     sa.Index("ix_concurrency_waiters_first_deferred", "first_deferred_at"),
+    sa.Index("ix_concurrency_waiters_task_name", "task_name"),
     # The sweep's and recovery's passes read only what is due: old tombstones, dispatches past
     # their deadline (NULL on most rows: partial where possible).
     sa.Index(

@@ -1,7 +1,8 @@
 """Every SQL statement of the portable SQL store, by name, and their compiled forms.
 
 ``{now}`` in a template is the dialect's clock (:attr:`Dialect.now`), ``{for_update}`` and
-``{skip_locked}`` its row locks; ``:slots`` and ``:task_ids`` are lists (expanding binds).
+``{skip_locked}`` its row locks; ``:slots``, ``:task_ids``, ``:run_ids`` and ``:task_names`` are
+lists (expanding binds).
 The admission statements over several slots (``{values}``/``{slots}``) are built per number
 of slots by :meth:`Statements.execute_for_slots`.
 
@@ -123,7 +124,9 @@ TEMPLATES: dict[str, str] = {
     # slot order could deadlock); a waiter needing a skipped slot is passed over this time and
     # dispatched by a later release or by recovery.
     "lock_more": "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot IN :slots ORDER BY slot{skip_locked}",
-    "task_listed": "SELECT 1 FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NULL",
+    # The task's entry, waiting or dispatched: its slots and task name (a copy of the same task,
+    # or its id reused by another).
+    "task_listed": "SELECT slot, task_name FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NULL",
     # Entries (waiting or dispatched, not tombstones) per slot of :slots, as counted in
     # concurrency_waitlists: a park adds its entry under the slots' sentinel locks (parks are the
     # only steps that add, so "update, then insert the missing counts" races with none); a step
@@ -160,6 +163,11 @@ TEMPLATES: dict[str, str] = {
         "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL "
         "AND (slot = :cap OR slot LIKE :pattern ESCAPE '/')"
     ),
+    # Every slot of the listed entries of the tasks named :task_names (recovery of the tasks a
+    # worker knows, whatever their slots are called).
+    "named_slots": (
+        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_name IN :task_names"
+    ),
     # Every slot of every listed entry (waiting or dispatched) that waits for one of :slots.
     "listed_slots": (
         "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_id IN "
@@ -179,28 +187,29 @@ TEMPLATES: dict[str, str] = {
         "AND dispatch_run_id IS NULL)"
     ),
     # The slots (of :slots, or any) with waiting entries where a waiter may fit: fewer live
-    # holders than the highest limit its waiters were parked with (read without locks: recovery
-    # locks these).
-    # (A slot with a list, whose waiting entries include one parked with a limit above its live
-    # holders: one row per slot with a list, and ix_concurrency_waiters_limit finds such an entry
-    # without walking the list.)
+    # holders than the slot's limit, its sentinel's (read without locks: recovery locks these).
+    # (One row per slot with a list, its sentinel by the primary key, and a look at the first
+    # rows of its list for a waiting entry.)
     "slots_with_room": (
-        "SELECT n.slot FROM concurrency_waitlists n WHERE n.slot IN :slots AND n.entries > 0 AND EXISTS ("
-        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL "
-        "AND w.slot_limit > (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
-        "WHERE c.slot = n.slot AND c.expires_at > {now}))"
+        "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
+        "WHERE n.slot IN :slots AND n.entries > 0 AND s.slot_limit > (SELECT COUNT(DISTINCT c.task_id) "
+        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND EXISTS ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL)"
     ),
     "all_slots_with_room": (
-        "SELECT n.slot FROM concurrency_waitlists n WHERE n.entries > 0 AND EXISTS ("
-        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL "
-        "AND w.slot_limit > (SELECT COUNT(DISTINCT c.task_id) FROM concurrency_slots c "
-        "WHERE c.slot = n.slot AND c.expires_at > {now}))"
+        "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
+        "WHERE n.entries > 0 AND s.slot_limit > (SELECT COUNT(DISTINCT c.task_id) "
+        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND EXISTS ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL)"
     ),
+    # The limits of :slots, their sentinels' (a dispatch counts against these, never against the
+    # limits its waiters were parked under).
+    "slot_limits": "SELECT slot, slot_limit FROM concurrency_slots WHERE run_id = '' AND slot IN :slots",
     # The waiters of :slots in their order, a batch at a time (keyset: from the row ordered at
     # :first/:parked/:task_id on).  Every row of one waiter has the same order key, so a waiter's
     # rows are adjacent.
     "waiting_rows": (
-        "SELECT task_id, slot, slot_limit, slot_count, first_deferred_at, parked_at, task_name "
+        "SELECT task_id, slot, slot_count, first_deferred_at, parked_at, task_name "
         "FROM concurrency_waiters WHERE slot IN :slots AND dispatch_run_id IS NULL AND ("
         "first_deferred_at > :first OR (first_deferred_at = :first AND "
         "(parked_at > :parked OR (parked_at = :parked AND task_id >= :task_id)))) "
@@ -241,10 +250,13 @@ TEMPLATES: dict[str, str] = {
         "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
         "WHERE dispatch_expires_at <= :now AND done_until IS NULL ORDER BY task_id"
     ),
+    # (Of the entries of a recovery's scope: waiting for one of :slots, or of a task named in
+    # :task_names.)
     "expired_dispatches_of": (
         "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
         "WHERE dispatch_expires_at <= :now AND done_until IS NULL "
-        "AND task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots) ORDER BY task_id"
+        "AND (task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots) "
+        "OR task_name IN :task_names) ORDER BY task_id"
     ),
     "undispatch": (
         "UPDATE concurrency_waiters SET dispatch_run_id = NULL, dispatch_expires_at = NULL "
@@ -269,8 +281,8 @@ TEMPLATES: dict[str, str] = {
     "overdue_of": (
         "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
         "WHERE dispatch_run_id IS NULL AND first_deferred_at < :before "
-        "AND task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots) "
-        "ORDER BY first_deferred_at, parked_at, task_id"
+        "AND (task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots) "
+        "OR task_name IN :task_names) ORDER BY first_deferred_at, parked_at, task_id"
     ),
     "waiting_of_slot": (
         "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
@@ -288,7 +300,7 @@ TEMPLATES: dict[str, str] = {
     ),
 }
 
-_LISTS = ("slots", "task_ids", "run_ids")
+_LISTS = ("slots", "task_ids", "run_ids", "task_names")
 
 
 class _Prepared(NamedTuple):
@@ -321,7 +333,9 @@ class Statements:
         statement = sa.text(text)
         lists = [name for name in _LISTS if f":{name}" in text]
         for name in lists:
-            statement = statement.bindparams(sa.bindparam(name, expanding=True))
+            # (Typed: an empty list is compiled to an empty set of names, which PostgreSQL compares
+            # with a name column only as text.)
+            statement = statement.bindparams(sa.bindparam(name, expanding=True, type_=sa.String()))
         # A list bind needs SQLAlchemy to expand it; without one, a driver that reads ``:name``
         # binds takes the text as written.
         return _Prepared(statement, text if self.dialect.binds_as_written and not lists else None)

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Connection
 from ...errors import StoreError
 from ..base import DISPATCH_HOLDER, ClaimOutcome, ParkingStore, ParkOutcome, ParkRequest, Waiter, Woken
 from .leases import BATCH, SQLLeaseStore, _cut, as_text
-from .schema import concurrency_waiters, concurrency_waitlists
+from .schema import MAX_TASK_NAME_LENGTH, concurrency_waiters, concurrency_waitlists
 from .statements import admission_params, like_prefix
 
 #: Waiter rows read per batch when a release looks for waiters to dispatch.
@@ -50,8 +50,12 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             # The same locks as acquire, then (read after them) the task's entry and the room:
             # parking is atomic with admission.
             self._lock_sentinels(connection, slots, params)
-            if statements.execute(connection, "task_listed", params).first() is not None:
-                return ParkOutcome.WAITING
+            entry = statements.execute(connection, "task_listed", params).all()
+            if entry:
+                # A copy of the listed task (same name, same slots; a limit may have changed), or
+                # its id reused by another task.
+                same_task = {as_text(slot) for slot, _name in entry} == set(ordered) and entry[0][1] == task_name
+                return ParkOutcome.WAITING if same_task else ParkOutcome.ID_IN_USE
             if not self._full_slots(connection, slots, params):
                 self._insert_leases(connection, len(ordered), params)
                 return ParkOutcome.ADMITTED
@@ -70,7 +74,6 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 {
                     "slot": self.dialect.exact(slot),
                     "task_id": self.dialect.exact(request.task_id),
-                    "slot_limit": slots[slot],
                     "slot_count": len(ordered),
                     "first_deferred_at": request.first_deferred_at,
                     "parked_at": parked_at,
@@ -100,15 +103,20 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         """Dispatch, with leases, the oldest waiters of the ``locked`` slots (sentinels locked)
         that have room and (if ``touching`` is given) wait for one of the slots ``touching``.
 
-        Waiters are read in their order a batch at a time, and reading stops once every slot
-        seen is full: a release with a long waiting list reads a few rows, not all.  A waiter
-        passed over (a slot of it full, or not locked here) keeps its place.
+        Room is counted against the slots' limits as their sentinels hold them now (read once:
+        they are locked), never the limits the waiters were parked under; a slot without a limit
+        counts as full.  Waiters are read in their order a batch at a time, and reading stops
+        once every slot seen is full: a release with a long waiting list reads a few rows, not
+        all.  A waiter passed over (a slot of it full, or not locked here) keeps its place.
         """
         statements = self.statements
         live: dict[str, set[str]] = defaultdict(set)
         for slot, task_id in statements.execute(connection, "live", {"slots": locked}):
             live[as_text(slot)].add(as_text(task_id))
-        limits: dict[str, int] = {}
+        limits: dict[str, int] = defaultdict(int)
+        for slot, limit in statements.execute(connection, "slot_limits", {"slots": locked}):
+            limits[as_text(slot)] = int(limit or 0)
+        seen: set[str] = set()
         chosen: list[tuple[str, str]] = []
         after: dict[str, Any] = {"first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
         while True:
@@ -116,12 +124,12 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 connection, "waiting_rows", {"slots": locked, "batch": WAITING_BATCH, **after}
             ).all()
             waiting: dict[str, dict[str, Any]] = {}
-            for task_id, slot, limit, count, first, parked, task_name in rows:
+            for task_id, slot, count, first, parked, task_name in rows:
                 waiter = waiting.setdefault(
                     as_text(task_id), {"slots": {}, "count": count, "order": (first, parked), "task_name": task_name}
                 )
-                waiter["slots"][as_text(slot)] = limit
-                limits[as_text(slot)] = limit
+                waiter["slots"][as_text(slot)] = limits[as_text(slot)]
+                seen.add(as_text(slot))
             complete = list(waiting.items())
             more = len(rows) == WAITING_BATCH and len(complete) > 1
             if more:
@@ -146,7 +154,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 for slot in needed:
                     live[slot].add(task_id)
                 chosen.append((task_id, run_id))
-            if not more or all(len(live[slot]) >= limit for slot, limit in limits.items()):
+            if not more or all(len(live[slot]) >= limits[slot] for slot in seen):
                 break
         return self._woken(connection, chosen, readmit=False)
 
@@ -271,9 +279,13 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 return ClaimOutcome.ADMIT
             dispatch_run_id, done_until, claimed_by, _slot = entry
             if done_until is not None:
-                # This very claim's tombstone: the claim retried, its leases expired meanwhile.
-                same_claim = dispatch_run_id == run_id and claimed_by == holder
-                return ClaimOutcome.ADMIT if same_claim else other_copy
+                # Only a copy of the dispatch the tombstone records goes on: redelivered (its run
+                # may have died), or this very claim retried (its leases expired meanwhile).  A
+                # copy of any other dispatch ends, redelivered or not.
+                same_dispatch = dispatch_run_id == run_id
+                return (
+                    ClaimOutcome.ADMIT if same_dispatch and (redelivered or claimed_by == holder) else ClaimOutcome.END
+                )
             if dispatch_run_id != run_id:
                 return ClaimOutcome.END  # the list answers for the task
             # No lease is left to tell a duplicate copy of this dispatch that the task was taken.
@@ -321,29 +333,36 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         dispatch_lease_seconds: float,
         *,
         caps: Collection[str] | None = None,
+        task_names: Collection[str] | None = None,
         readmit_before: float | None = None,
     ) -> list[Woken]:
-        if caps is not None and not caps:
+        scoped = caps is not None or task_names is not None
+        cap_names = sorted(set(caps or ()))
+        names = sorted({name[:MAX_TASK_NAME_LENGTH] for name in task_names or ()})  # as the entries keep them
+        if scoped and not cap_names and not names:
             return []
         statements = self.statements
 
         def recover(connection: Connection) -> list[Woken]:
-            # The entries considered: every listed one, or those waiting for a slot of ``caps``.
+            # The entries considered: every listed one, or (scoped) those waiting for a slot of
+            # ``caps`` and those of the tasks named in ``task_names``.
             of_slots: dict[str, Any] = {}
             considered: set[str] | None = None  # the slots they need (None: every slot)
-            if caps is not None:
+            if scoped:
                 cap_slots: set[str] = set()
-                for cap in sorted(set(caps)):
+                for cap in cap_names:
                     pattern = {"cap": cap, "pattern": self.dialect.exact(like_prefix(cap + ":"))}
                     cap_slots.update(as_text(row[0]) for row in statements.execute(connection, "cap_slots", pattern))
-                if not cap_slots:
+                considered = self._names(connection, "listed_slots", "slots", cap_slots) if cap_slots else set()
+                if names:
+                    considered |= self._names(connection, "named_slots", "task_names", names)
+                if not considered:
                     return []
-                of_slots = {"slots": sorted(cap_slots)}
-                considered = self._names(connection, "listed_slots", "slots", cap_slots)
+                of_slots = {"slots": sorted(cap_slots), "task_names": names}
             # Dispatches past their deadline wait again at their place: their leases first, as a
             # claim takes them, one dispatch after the other in task order (so concurrent
             # recoveries never wait for each other in a circle).
-            expired = "expired_dispatches" if caps is None else "expired_dispatches_of"
+            expired = "expired_dispatches_of" if scoped else "expired_dispatches"
             now, deadline = statements.execute(connection, "next_dispatch_deadline").one()
             due: Sequence[Any] = []
             if deadline is not None and deadline <= now:
@@ -355,7 +374,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             overdue: list[str] = []
             first = None if readmit_before is None else statements.execute(connection, "first_waiting_since").scalar()
             if readmit_before is not None and first is not None and first < readmit_before:
-                statement = "overdue" if caps is None else "overdue_of"
+                statement = "overdue_of" if scoped else "overdue"
                 rows = statements.execute(connection, statement, {"before": readmit_before, **of_slots})
                 overdue = [as_text(row[0]) for row in rows]
             # The slots where a waiter may fit (read without locks: a slot that gains room after
