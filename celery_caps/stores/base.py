@@ -239,8 +239,8 @@ class ParkOutcome(enum.Enum):
     LIST_FULL = "waitlist_full"
     #: A slot is full and the request has no payload: nothing stored (the caller parks with one).
     FULL = "full"
-    #: The task id is listed already for another task (another task name or other slots): a
-    #: reused id.  Nothing changed; the caller fails this copy visibly, never drops it silently.
+    #: The task id is listed already under another task name: a reused id.  Nothing changed;
+    #: the caller fails this copy visibly, never drops it silently.
     ID_IN_USE = "id_in_use"
 
 
@@ -593,8 +593,9 @@ class ParkingStore(SlotStore):
         """Admission for the park strategy, in one atomic step (under the sentinel locks).
 
         In this order: if the task id is waiting or dispatched already, nothing changes:
-        :attr:`~ParkOutcome.WAITING` if that entry is of the same task name and slot names (a copy
-        of the same task), else :attr:`~ParkOutcome.ID_IN_USE` (the id was reused); :attr:`~ParkOutcome.ADMITTED` if every slot has room (leases
+        :attr:`~ParkOutcome.WAITING` if that entry has the same task name (a copy of the task,
+        whatever slots it asks for now: a deploy may have renamed its cap or changed its key),
+        else :attr:`~ParkOutcome.ID_IN_USE` (the id was reused by another task); :attr:`~ParkOutcome.ADMITTED` if every slot has room (leases
         taken for the request's run, as ``acquire`` would); :attr:`~ParkOutcome.FULL` if the
         request has no payload (nothing stored); :attr:`~ParkOutcome.LIST_FULL` if a slot's list
         holds ``max_waiters`` (nothing stored); else :attr:`~ParkOutcome.PARKED`: the task waits,

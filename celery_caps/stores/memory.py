@@ -140,8 +140,7 @@ class MemoryStore(ParkingStore):
                 self._limits[slot] = slots[slot]
             entry = self._waiting.get(task_id)
             if entry is not None and entry.listed:
-                same_task = entry.task_name == request.task_name and set(entry.slots) == set(slots)
-                return ParkOutcome.WAITING if same_task else ParkOutcome.ID_IN_USE
+                return ParkOutcome.WAITING if entry.task_name == request.task_name else ParkOutcome.ID_IN_USE
             dispatches = entry.dispatches if entry is not None else 0  # a tombstone's count lives on
             if not self._full_slots(slots, task_id, now):
                 self._add_leases(

@@ -150,23 +150,25 @@ def test_a_reused_task_id_is_reported_not_taken_for_the_waiting_task(store: Slot
     busy, empty = f"{prefix}busy", f"{prefix}empty"
     admit(store, {busy: 1}, f"{prefix}running")
     assert park(store, {busy: 1}, f"{prefix}t", 1.0) == ParkOutcome.PARKED
-    # When: the same id is sent again, for another cap (an empty one) or another task name
+    # When: the same id is sent again by another task, for another cap (an empty one) or the same
     reused_for_other_cap = store.park(
-        _request({empty: 1}, f"{prefix}t", task_name="t.parked", payload=b"other")  # type: ignore[arg-type]
+        _request({empty: 1}, f"{prefix}t", task_name="t.other", payload=b"other")  # type: ignore[arg-type]
     )
-    reused_by_other_task = store.park(
+    reused_for_same_cap = store.park(
         _request({busy: 1}, f"{prefix}t", task_name="t.other", payload=b"other")  # type: ignore[arg-type]
     )
     # Then: the store says the id is in use by another task, and changes nothing
     assert reused_for_other_cap is ParkOutcome.ID_IN_USE
-    assert reused_by_other_task is ParkOutcome.ID_IN_USE
+    assert reused_for_same_cap is ParkOutcome.ID_IN_USE
     assert listed(store, busy) == [(f"{prefix}t", False)]
     assert store.waiters(empty) == []
     assert store.leases(empty) == []
-    # ... while a copy of the task itself (same name, same slots) is answered by its entry
+    # ... while a copy of the task itself is answered by its entry, whatever it asks for now (a
+    # deploy changed the cap's limit, renamed the cap, or changed its key)
     assert park(store, {busy: 1}, f"{prefix}t", 1.0) == ParkOutcome.WAITING
-    # ... a limit that changed is still the same task (a deploy changed the cap's limit)
     assert park(store, {busy: 2}, f"{prefix}t", 1.0) == ParkOutcome.WAITING
+    assert park(store, {empty: 1}, f"{prefix}t", 1.0) == ParkOutcome.WAITING
+    assert store.leases(empty) == []
 
 
 def test_recovery_serves_the_waiters_of_a_task_it_knows_whose_cap_was_renamed(store: SlotStore, prefix: str) -> None:
