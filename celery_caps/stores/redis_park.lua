@@ -9,7 +9,7 @@
 -- ARGV: prefix, task id, run id, holder, lease seconds, task name ('' if none), payload,
 --       '1' if a payload is given else '0', first-deferral time, max waiters, then per slot
 --       (sorted): name, limit
--- Returns 'waiting' (the entry is of the same task name and slot names: nothing changed),
+-- Returns 'waiting' (the entry is of the same task name: nothing changed),
 -- 'id_in_use' (it is another task's: nothing changed), 'admitted', 'full' (no payload: nothing
 -- stored), 'waitlist_full' (a slot has max waiters already: nothing stored) or 'parked'.  Only
 -- the sentinels are written in every case.
@@ -44,21 +44,13 @@ for i = 1, slot_count do
   remember_limit(limits_key, names[i], limits[i])
 end
 
--- Its entry answers for the task (a duplicate, or a copy that arrived again), if it is this
--- task's: the same task name and slot names (a limit changed by a deploy is the same task).
+-- Its entry answers for the task (a duplicate, or a copy that arrived again) if it is this
+-- task's, whatever slots the copy asks for now (a deploy may have renamed its cap or changed
+-- its key); an entry of another task name means the id was reused.
 local listed = read_waiter(keys.waiting, task_id)
 if listed ~= nil then
-  if listed[RECORD_TASK_NAME] ~= task_name or #listed - RECORD_SLOTS + 1 ~= slot_count then
+  if listed[RECORD_TASK_NAME] ~= task_name then
     return 'id_in_use'
-  end
-  local listed_names = {}
-  for i = RECORD_SLOTS, #listed do
-    listed_names[listed[i]] = true
-  end
-  for i = 1, slot_count do
-    if not listed_names[names[i]] then
-      return 'id_in_use'
-    end
   end
   return 'waiting'
 end
