@@ -101,12 +101,12 @@ END $$
 
 -- Park (the park strategy's admission), in ParkingStore.park's order: lock the sentinels; the
 -- task's entry, waiting or dispatched, answers for it: 'waiting' if it is of the same task name
--- and the same set of slots (a copy of the task; its limits may differ), else 'id_in_use' (the id
--- reused by another task), changing nothing; admission's count and leases
--- ('admitted'); without a payload, 'full'; a slot whose list holds p_max_waiters entries,
--- 'waitlist_full'; else the task's tombstone (if any) gives way to its waiting entry, which keeps
--- its count of dispatches, one row per slot at the store's clock, without a limit: its slots'
--- limits are their sentinels' ('parked').
+-- (a copy of the task, whatever slots it asks for now: a deploy may have renamed its cap or
+-- changed its key), else 'id_in_use' (the id reused by another task), changing nothing;
+-- admission's count and leases ('admitted'); without a payload, 'full'; a slot whose list holds
+-- p_max_waiters entries, 'waitlist_full'; else the task's tombstone (if any) gives way to its
+-- waiting entry, which keeps its count of dispatches, one row per slot at the store's clock,
+-- without a limit: its slots' limits are their sentinels' ('parked').
 --
 -- The hot-path functions below plan each statement once per session: these are key lookups whose
 -- best plan never depends on the values, and re-planning a dozen of them costs more than running
@@ -125,19 +125,14 @@ DECLARE
     v_full text[];
     v_now double precision;
     v_dispatches integer;
-    v_listed_slots text[];
     v_same_name boolean;
 BEGIN
     PERFORM concurrency_slots_lock_sentinels(p_slots, p_limits);
-    SELECT array_agg(w.slot), bool_and(w.task_name IS NOT DISTINCT FROM p_task_name)
-    INTO v_listed_slots, v_same_name
-    FROM concurrency_waiters w WHERE w.task_id = p_task_id AND w.done_until IS NULL;
-    IF v_listed_slots IS NOT NULL THEN
-        -- (Sets compared: an entry's slots and p_slots each name a slot once.)
-        IF v_same_name AND v_listed_slots <@ p_slots AND p_slots <@ v_listed_slots THEN
-            RETURN 'waiting';
-        END IF;
-        RETURN 'id_in_use';
+    -- (Every row of an entry has the same task name.)
+    SELECT w.task_name IS NOT DISTINCT FROM p_task_name INTO v_same_name
+    FROM concurrency_waiters w WHERE w.task_id = p_task_id AND w.done_until IS NULL LIMIT 1;
+    IF FOUND THEN
+        RETURN CASE WHEN v_same_name THEN 'waiting' ELSE 'id_in_use' END;
     END IF;
     v_now := concurrency_slots_now();
     v_full := concurrency_slots_full(p_slots, p_limits, p_task_id, v_now);

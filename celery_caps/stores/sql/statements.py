@@ -124,9 +124,10 @@ TEMPLATES: dict[str, str] = {
     # slot order could deadlock); a waiter needing a skipped slot is passed over this time and
     # dispatched by a later release or by recovery.
     "lock_more": "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot IN :slots ORDER BY slot{skip_locked}",
-    # The task's entry, waiting or dispatched: its slots and task name (a copy of the same task,
-    # or its id reused by another).
-    "task_listed": "SELECT slot, task_name FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NULL",
+    # The task name of the task's entry, waiting or dispatched (every row of it has the same).
+    "task_listed": (
+        "SELECT task_name FROM concurrency_waiters WHERE task_id = :task_id AND done_until IS NULL LIMIT 1"
+    ),
     # Entries (waiting or dispatched, not tombstones) per slot of :slots, as counted in
     # concurrency_waitlists: a park adds its entry under the slots' sentinel locks (parks are the
     # only steps that add, so "update, then insert the missing counts" races with none); a step

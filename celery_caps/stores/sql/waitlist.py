@@ -50,12 +50,12 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             # The same locks as acquire, then (read after them) the task's entry and the room:
             # parking is atomic with admission.
             self._lock_sentinels(connection, slots, params)
-            entry = statements.execute(connection, "task_listed", params).all()
-            if entry:
-                # A copy of the listed task (same name, same slots; a limit may have changed), or
-                # its id reused by another task.
-                same_task = {as_text(slot) for slot, _name in entry} == set(ordered) and entry[0][1] == task_name
-                return ParkOutcome.WAITING if same_task else ParkOutcome.ID_IN_USE
+            entry = statements.execute(connection, "task_listed", params).first()
+            if entry is not None:
+                # A copy of the listed task (the same name, whatever slots and limits it asks for
+                # now: a deploy may have renamed its cap or changed its key), or its id reused by
+                # another task.
+                return ParkOutcome.WAITING if entry[0] == task_name else ParkOutcome.ID_IN_USE
             if not self._full_slots(connection, slots, params):
                 self._insert_leases(connection, len(ordered), params)
                 return ParkOutcome.ADMITTED
