@@ -19,12 +19,21 @@ as Celery and its brokers behave (``shared/CELERY-NOTES.md``):
 - recovery calls (``SlotStore.recover``) at any point, by any worker, whose
   publishes can be lost;
 - time: leases and dispatches expire (a test clock for the memory store, real
-  seconds for the others).
+  seconds for the others);
+- the changes a fleet lives through, none of them a fault: a warm shutdown (the
+  worker's prefetched, unstarted messages go back to the broker, marked redelivered);
+  a deploy that changes a cap's limit (the arrivals after it carry the new limit), or
+  renames a cap (its waiters are recovered by their task's name); a task whose message
+  can no longer be published (a deploy changed its signature: it is failed and taken
+  off the list, as the library's hand-over does); a task id reused by another task.
 
-Invariants, after every step: running task ids per cap never exceed its limit; a
-body of one attempt (task id, retries) runs again, or two run at once, only after a
-copy of that task was redelivered.  At the end (faults stop, time passes, workers
-keep working): every task sent has finished at least once.
+Invariants: whenever the store grants a slot (an admission, a dispatch), the slot's
+holders are within its current limit (the last one the store was given: running tasks
+may finish above a lowered limit); a body of one attempt (task id, retries) runs again,
+or two run at once, only after a fault hit a copy of that task (a worker killed while
+holding it); a reused task id is reported, never taken for the task that waits.  At the
+end (faults stop, time passes, workers keep working): every task sent has finished at
+least once, or was failed because its message could not be published.
 
 Time never passes while the store is away: a running task's lease cannot be renewed
 then, and once it expired the cap may admit another (the documented lease window,
@@ -39,7 +48,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -62,8 +71,10 @@ from celery_caps.stores.base import SlotStore, Woken
 from celery_caps.stores.memory import MemoryStore
 from tests.services import REDIS_KINDS, REDIS_TOPOLOGY_KINDS, StoreTarget, delete_own_rows, new_prefix
 
-#: Cap (slot suffix) -> limit.
+#: Cap (slot suffix) -> its limit when the fleet starts.
 LIMITS = {"g": 2, "k:a": 1, "k:b": 1}
+#: The task name every task of the model is parked under.
+TASK_NAME = "model.task"
 #: Task -> the caps it needs.
 TASKS = {
     "t0": ("g", "k:a"),
@@ -141,6 +152,8 @@ class Process:
     new_run_id: str = ""
     retry: bool = False
     woken: list[Woken] = field(default_factory=list)
+    #: The slots the running copy holds (slot name -> the limit it was granted under).
+    held: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,8 +189,21 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 self.real_store = shared["store"]
             self.store = FlakyStore(self.real_store)
             self.space = new_prefix()
-            self.slots = {task: {self.slot(cap): LIMITS[cap] for cap in caps} for task, caps in TASKS.items()}
-            self.all_slots = sorted({slot for slots in self.slots.values() for slot in slots})
+            #: This example's task name (a real store is shared by the examples: recovery by task
+            #: name must find this example's entries only).
+            self.task_name = f"{self.space}{TASK_NAME}"
+            #: The deployed code's limit of each cap, and whether a deploy renamed cap "g" to "g2".
+            self.limits = dict(LIMITS)
+            self.renamed = False
+            #: Slot name -> the highest limit the fleet ever gave it.
+            self.max_limits = {self.slot(cap): limit for cap, limit in LIMITS.items()}
+            #: Every slot name the fleet may use (cap "g" renamed "g2" included).
+            self.all_slots = sorted({*self.max_limits, self.slot("g2")})
+            #: Task -> the slots (and limits) its entry was parked with, for the grant checks.
+            self.parked_slots: dict[str, dict[str, int]] = {}
+            #: Tasks whose message a deploy made unpublishable, and those failed for it.
+            self.poisoned: set[str] = set()
+            self.failed: set[str] = set()
             self.queue: list[Message] = []  # every unacknowledged message, held or not
             self.mids = itertools.count()
             self.workers = {name: Worker(name) for name in WORKERS}
@@ -201,6 +227,37 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
         def task_id(self, task: str) -> str:
             return f"{self.space}{task}"
 
+        def cap_slot(self, cap: str) -> str:
+            """The slot name of ``cap`` in the deployed code."""
+            return self.slot("g2" if cap == "g" and self.renamed else cap)
+
+        def slots_of(self, task: str) -> dict[str, int]:
+            """The slots ``task`` asks for in the deployed code: names and limits."""
+            return {self.cap_slot(cap): self.limits[cap] for cap in TASKS[task]}
+
+        def check_grant(self, task_id: str, run_id: str, slots: Collection[str], what: str) -> None:
+            """The store just granted ``slots`` to run ``run_id`` of ``task_id`` (an admission or a
+            dispatch): each holds no more tasks than its current limit, the one it was given last
+            (a lowered limit admits no one above it; tasks running from before may finish above
+            it).  A task id that held the slot already counts once: its grant adds no one."""
+            limits = {status.slot: status.limit for status in self.real_store.status() if status.slot in slots}
+            for slot in slots:
+                live = [lease for lease in self.real_store.leases(slot) if lease.expires_in > 0]
+                if any(lease.task_id == task_id and lease.run_id != run_id for lease in live):
+                    continue
+                holders = {lease.task_id for lease in live}
+                limit = limits[slot]
+                assert limit is not None and len(holders) <= limit, (
+                    f"{what}: slot {self.task_of(slot)} holds {len(holders)} tasks under its limit of {limit}: "
+                    f"{sorted(self.task_of(task) for task in holders)}\n{self.history()}"
+                )
+
+        def check_woken(self, woken: list[Woken], what: str) -> None:
+            for waiter in woken:
+                if not waiter.readmit:
+                    slots = self.parked_slots.get(self.task_of(waiter.task_id), {})
+                    self.check_grant(waiter.task_id, waiter.run_id, slots, f"{what} dispatching {waiter.task_id}")
+
         def task_of(self, task_id: str) -> str:
             return task_id.removeprefix(self.space)
 
@@ -213,10 +270,26 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             self.queue.append(message)
 
         def publish_woken(self, woken: list[Woken]) -> None:
+            """Publish the woken copies; one whose message a deploy broke fails its task and
+            leaves the list, handing its slots on (as ``handover.fail_unpublishable``)."""
             for waiter in woken:
                 parked = json.loads(waiter.payload)
+                if parked["task"] in self.poisoned:
+                    self.fail_unpublishable(parked["task"], waiter)
+                    continue
                 headers = {**parked["headers"], messages.DISPATCH_HEADER: waiter.run_id}
                 self.publish(parked["task"], parked["retries"], headers)
+
+        def fail_unpublishable(self, task: str, waiter: Woken) -> None:
+            try:
+                _, woken = self.store.forget(waiter.task_id, dispatch_lease)
+            except StoreError:
+                self.note(f"{task} unpublishable: not forgotten (store away): its dispatch expires")
+                return
+            self.failed.add(task)
+            self.note(f"{task} unpublishable: failed and forgotten, woke {self.named(woken)}")
+            self.check_woken(woken, f"forgetting unpublishable {task}")
+            self.publish_woken(woken)
 
         def ack(self, message: Message) -> None:
             self.note(f"ack m{message.mid}")
@@ -280,10 +353,11 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             assert message is not None
             dispatch = message.headers.get(messages.DISPATCH_HEADER)
             first = messages.first_deferred_at(SimpleNamespace(headers=message.headers)) or self.clock.time()
+            slots = self.slots_of(message.task)
             arrival = park.Arrival(
                 task_id=self.task_id(message.task),
-                task_name="model.task",
-                slots=self.slots[message.task],
+                task_name=self.task_name,
+                slots=slots,
                 holder=state.holder,
                 dispatch_run_id=dispatch,
                 redelivered=message.redelivered,
@@ -322,15 +396,24 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             )
             if decision.verdict is park.Verdict.RUN:
                 process.phase, process.run_id = "running", decision.run_id
+                if decision.claimed:
+                    process.held = dict(self.parked_slots[message.task])
+                else:
+                    process.held = slots
+                    assert decision.run_id is not None
+                    what = f"{state.holder} admitting {message.task}"
+                    self.check_grant(arrival.task_id, decision.run_id, slots, what)
                 key = (message.task, message.retries)
                 if self.starts[key]:
                     assert message.task in self.redelivered_tasks, (
-                        f"{message.task} attempt {message.retries} started again, and no copy of it was "
-                        f"redelivered (dispatch {dispatch})\n{self.history()}"
+                        f"{message.task} attempt {message.retries} started again, and no fault hit a copy of "
+                        f"it (dispatch {dispatch}, redelivered={message.redelivered})\n{self.history()}"
                     )
                 self.starts[key] += 1
                 return
             assert decision.verdict in (park.Verdict.PARKED, park.Verdict.ANSWERED), decision
+            if decision.verdict is park.Verdict.PARKED:
+                self.parked_slots[message.task] = slots
             process.phase = "acking"
 
         @precondition(lambda self: self.able("running"))
@@ -366,6 +449,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             try:
                 _, process.woken = self.store.release_and_wake(process.run_id, dispatch_lease)
                 self.note(f"{state.holder} release {process.run_id[:6]}: woke {self.named(process.woken)}")
+                self.check_woken(process.woken, f"{state.holder} release")
             except StoreError as exc:
                 self.note(f"{state.holder} release {process.run_id[:6]}: {exc}")
                 state.pending_releases.append(process.run_id)
@@ -410,6 +494,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 for run_id in list(state.pending_releases):
                     _, woken = self.store.release_and_wake(run_id, dispatch_lease)
                     self.note(f"{state.holder} keeper releases {run_id[:6]}: woke {self.named(woken)}")
+                    self.check_woken(woken, f"{state.holder} keeper's release")
                     state.pending_releases.remove(run_id)
                     self.publish_woken(woken)
                 self.renew(state)
@@ -427,13 +512,15 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
 
         @rule(lose_publish=st.booleans())
         def recovery(self, lose_publish: bool = False) -> None:
-            """A worker's recovery call (scoped to this example's slots); the caller may die
-            before it publishes."""
+            """A worker's recovery call (scoped as a worker scopes it: its code's caps, and the task
+            names it knows); the caller may die before it publishes."""
+            caps = sorted({self.cap_slot(cap) for cap in LIMITS})
             try:
-                woken = self.store.recover(dispatch_lease, caps=self.all_slots)
+                woken = self.store.recover(dispatch_lease, caps=caps, task_names=[self.task_name])
             except StoreError:
                 return
             self.note(f"recover: woke {self.named(woken)}{' (publish lost)' if lose_publish else ''}")
+            self.check_woken(woken, "recovery")
             if not lose_publish:
                 self.publish_woken(woken)
 
@@ -496,19 +583,87 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             self.note(f"time passes: {seconds} dispatch leases")
             self.clock.advance(seconds * dispatch_lease)
 
+        # -- changes a fleet lives through (none of them a fault) ---------------------------
+
+        @precondition(lambda self: self.able("idle"))
+        @rule(which=st.integers(0, 50))
+        def warm_shutdown(self, which: int) -> None:
+            """A deploy stops a worker warm: its task finished (its process is idle), the broker
+            gets back its prefetched, unstarted messages, marked redelivered, and it starts again.
+            Not a fault: a second run of any task after it is not excused."""
+            [state] = self.pick("idle", which)
+            self.note(f"warm shutdown {state.holder}")
+            for message in self.held_by(state):
+                message.holder = None
+                message.redelivered = True
+            state.generation += 1
+            state.pending_releases = []  # their leases expire
+
+        @rule(cap=st.sampled_from(sorted(LIMITS)), limit=st.integers(1, 3))
+        def deploy_a_limit(self, cap: str, limit: int) -> None:
+            """A deploy changes a cap's limit: the copies that arrive from now on carry it."""
+            self.note(f"deploy: cap {cap} limit {limit}")
+            self.limits[cap] = limit
+            slot = self.cap_slot(cap)
+            self.max_limits[slot] = max(self.max_limits.get(slot, 0), limit)
+
+        @precondition(lambda self: not self.renamed)
+        @rule()
+        def deploy_a_cap_name(self) -> None:
+            """A deploy renames cap g to g2: new arrivals ask for g2, tasks waiting for g still wait
+            for it (their entries keep their slots), and recovery names the new cap only."""
+            self.note("deploy: cap g renamed g2")
+            self.renamed = True
+            self.max_limits[self.slot("g2")] = self.limits["g"]
+
+        @precondition(lambda self: self.sent - self.poisoned)
+        @rule(pick=st.integers(0, 50))
+        def deploy_breaks_a_message(self, pick: int) -> None:
+            """A deploy makes a task's parked message unpublishable (its signature changed): it is
+            failed when woken, and the waiters behind it go on."""
+            candidates = sorted(self.sent - self.poisoned)
+            task = candidates[pick % len(candidates)]
+            self.note(f"deploy: {task}'s message can no longer be published")
+            self.poisoned.add(task)
+
+        @precondition(lambda self: self.store.mode == "up")
+        @rule(pick=st.integers(0, 50))
+        def reuse_an_id(self, pick: int) -> None:
+            """Another task is sent with the id of a task that waits: it is refused, visibly, never
+            taken for a copy of the waiting task."""
+            listed = sorted({w.task_id for w in self.real_store.waiters() if w.slot in self.all_slots})
+            if not listed:
+                return
+            task_id = listed[pick % len(listed)]
+            arrival = park.Arrival(
+                task_id=task_id, task_name=f"{self.task_name}.other", slots={self.cap_slot("k:b"): self.limits["k:b"]},
+                holder="reuser@model/0", dispatch_run_id=None, redelivered=False, first_deferred_at=self.clock.time(),
+            )  # fmt: skip
+            decision = park.decide(
+                self.store, arrival, uuid.uuid4().hex, lambda: b"{}", lease_seconds=lease,  # type: ignore[arg-type]
+                max_waiters=1000, max_payload_bytes=65536, now=self.clock.time(),
+            )  # fmt: skip
+            self.note(f"reuse the id of {self.task_of(task_id)}: {decision.verdict.value}")
+            assert decision.verdict is park.Verdict.ID_IN_USE, f"{decision}\n{self.history()}"
+
         # -- invariants -------------------------------------------------------------------
 
         @invariant()
         def caps_hold(self) -> None:
-            running = [
-                state.process.message.task
-                for state in self.workers.values()
-                if state.alive and state.process.phase == "running" and state.process.message is not None
-            ]
-            for cap, limit in LIMITS.items():
-                holders = {task for task in running if cap in TASKS[task]}
-                assert len(holders) <= limit, (
-                    f"cap {cap} (limit {limit}) held by {sorted(holders)} at once\n{self.history()}"
+            """Counted by the model, not the store: the tasks running in each slot never exceed the
+            highest limit the fleet ever gave it (the grant checks hold each grant to the limit
+            of its moment)."""
+            holders: dict[str, set[str]] = {}
+            for state in self.workers.values():
+                process = state.process
+                if state.alive and process.phase == "running" and process.message is not None:
+                    for slot in process.held:
+                        holders.setdefault(slot, set()).add(process.message.task)
+            for slot, tasks in holders.items():
+                limit = self.max_limits[slot]
+                assert len(tasks) <= limit, (
+                    f"slot {self.task_of(slot)} (limit {limit} at most) held by {sorted(tasks)} at once\n"
+                    f"{self.history()}"
                 )
 
         @invariant()
@@ -534,7 +689,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             self.store.mode = "up"
             self.restart()
             for _ in range(60):
-                if all(self.finished[task] for task in self.sent):
+                if all(self.finished[task] or task in self.failed for task in self.sent):
                     return
                 for state in self.workers.values():
                     self.keeper(state)
@@ -555,7 +710,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 self.recovery(lose_publish=False)
                 if not any(m.holder is None for m in self.queue):
                     self._time_passes(1.2)
-            unfinished = sorted(task for task in self.sent if not self.finished[task])
+            unfinished = sorted(task for task in self.sent if not (self.finished[task] or task in self.failed))
             waiting = [(w.task_id, w.dispatched) for w in self.real_store.waiters() if w.slot in self.all_slots]
             raise AssertionError(
                 f"tasks never finished: {unfinished}; waiting list {waiting}; queue {self.queue}\n{self.history()}"
@@ -608,6 +763,72 @@ def protocol_target(store_target: StoreTarget) -> Iterator[StoreTarget | None]:
 
 #: Set by .ci/run once the chaos tests, test_park_protocol_long among them, passed.
 LONG_RUN_PASSED = "CAPS_TEST_PROTOCOL_LONG_PASSED"
+
+
+def _deliver(machine: Any, task: str, worker: str, dispatched: bool) -> None:
+    """The broker delivers the ready copy of ``task`` (carrying a dispatch, or not) to ``worker``."""
+    [message] = [
+        m
+        for m in machine.ready()
+        if m.task == task and (messages.DISPATCH_HEADER in m.headers) == dispatched and m.holder is None
+    ][:1]
+    message.holder = worker
+
+
+def _start(machine: Any, worker: str, task: str) -> None:
+    """``worker``'s process takes its held copy of ``task``: the claim and admission."""
+    state = machine.workers[worker]
+    [message] = [m for m in machine.held_by(state) if m.task == task][:1]
+    state.process.message, state.process.new_run_id = message, uuid.uuid4().hex
+    machine.decide(state)
+
+
+def _finish(machine: Any, worker: str) -> None:
+    """``worker``'s process lives its copy to the end: body, release, publishes, acknowledgement."""
+    state = machine.workers[worker]
+    if state.process.phase == "running":
+        machine._end_body(state, retry=False)
+        machine._release(state)
+        machine._publish_after_release(state)
+    machine.ack(state.process.message)
+    state.process = Process()
+
+
+def _run_through(machine: Any, worker: str, task: str) -> None:
+    _start(machine, worker, task)
+    _finish(machine, worker)
+
+
+def test_a_copy_returned_by_a_warm_shutdown_after_another_dispatch_ran_never_runs_again(
+    protocol_target: StoreTarget | None,
+) -> None:
+    # The deploy of issue 33, step by step through the model (hypothesis rarely reaches it alone).
+    machine = make_machine(protocol_target, protocol_target is None)()
+    try:
+        # Given: t1 runs on w1 and t5 waits for their shared slot (k:a, limit 1)
+        machine.send({"t1", "t5"})
+        _deliver(machine, "t1", "w1", dispatched=False)
+        _deliver(machine, "t5", "w2", dispatched=False)
+        _start(machine, "w1", "t1")
+        _run_through(machine, "w2", "t5")  # parks
+        _finish(machine, "w1")  # its release dispatches t5 (D1)
+        # ... D1's copy waits in w1's prefetch buffer past its deadline; recovery dispatches D2,
+        # which w2 claims and runs
+        _deliver(machine, "t5", "w1", dispatched=True)
+        machine._time_passes(1.2)
+        machine.recovery(lose_publish=False)
+        _deliver(machine, "t5", "w2", dispatched=True)
+        _run_through(machine, "w2", "t5")
+        assert machine.finished["t5"] == 1
+        # When: w1 is warm-shut down: the broker gets D1's copy back, marked redelivered, and
+        # delivers it again
+        machine.warm_shutdown(list(machine.workers).index("w1"))
+        _deliver(machine, "t5", "w2", dispatched=True)
+        # Then: it ends against the tombstone of D2: t5 ran once (the model fails otherwise)
+        _run_through(machine, "w2", "t5")
+        assert machine.starts[("t5", 0)] == 1, machine.history()
+    finally:
+        machine.clean_up()
 
 
 # Budgets: the memory store runs on a test clock (an example takes milliseconds); the others
