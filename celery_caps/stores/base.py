@@ -74,7 +74,10 @@ The atomic steps:
 ``release_and_wake`` (and ``release_holder_and_wake``, ``release_task_and_wake``)
     Delete one run's leases (or a dead process's, or a revoked task's) and, in the
     same transaction, dispatch the oldest waiters (by first deferral, then park
-    time) whose every slot now has room.  A waiter whose slots are not all free is
+    time) whose every slot now has room.  Room is counted against each slot's
+    current limit, the one its sentinel holds (the last admission's): an entry
+    keeps no limit of its own, so a limit changed by a deploy applies to every
+    waiter at once.  A waiter whose slots are not all free is
     passed over, never blocks the ones behind it.  Every release of a store in use
     by parked tasks goes through one of these, so freed room goes to waiters first.
 ``claim``
@@ -595,8 +598,9 @@ class ParkingStore(SlotStore):
         In this order: if the task id is waiting or dispatched already, nothing changes:
         :attr:`~ParkOutcome.WAITING` if that entry has the same task name (a copy of the task,
         whatever slots it asks for now: a deploy may have renamed its cap or changed its key),
-        else :attr:`~ParkOutcome.ID_IN_USE` (the id was reused by another task); :attr:`~ParkOutcome.ADMITTED` if every slot has room (leases
-        taken for the request's run, as ``acquire`` would); :attr:`~ParkOutcome.FULL` if the
+        else :attr:`~ParkOutcome.ID_IN_USE` (the id was reused by another task);
+        :attr:`~ParkOutcome.ADMITTED` if every slot has room (leases taken for the request's run,
+        as ``acquire`` would); :attr:`~ParkOutcome.FULL` if the
         request has no payload (nothing stored); :attr:`~ParkOutcome.LIST_FULL` if a slot's list
         holds ``max_waiters`` (nothing stored); else :attr:`~ParkOutcome.PARKED`: the task waits,
         ordered by ``first_deferred_at`` then the store's clock.  A tombstone of the task id is
