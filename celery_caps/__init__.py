@@ -10,6 +10,8 @@ from .errors import (
     MissingDependencyError,
     StoreError,
     StoreInputError,
+    TaskIdInUse,
+    UnpublishableTask,
 )
 from .runtime import warm_up
 from .task import CappedTask
@@ -29,6 +31,8 @@ __all__ = [
     "MissingDependencyError",
     "StoreError",
     "StoreInputError",
+    "TaskIdInUse",
+    "UnpublishableTask",
     "warm_up",
 ]
 __version__ = "0.1.0"
