@@ -103,7 +103,6 @@ def fill_waitlist(store: SlotStore, slot: str, count: int, first_from: float) ->
                 {
                     "slot": exact(slot),
                     "task_id": exact(f"{slot}-w{i:07d}"),
-                    "slot_limit": 1,
                     "slot_count": 1,
                     "first_deferred_at": first_from + i,
                     "parked_at": now,
