@@ -251,6 +251,8 @@ class Fleet:
         self._store: SlotStore | None = None
         self._closed = False
         self.extra_queues: set[str] = set()
+        #: Exchanges of this fleet's own (declared through ``task_queues``), deleted on an AMQP broker.
+        self.extra_exchanges: set[str] = set()
 
     # -- workers ------------------------------------------------------------------
 
@@ -547,7 +549,8 @@ class Fleet:
                 for queue in sorted({*self.extra_queues, *map(wake_queue_name, self.extra_queues)}):
                     channel.queue_delete(queue)
                     channel.exchange_delete(queue)
-                for exchange in (f"{self.prefix}celery.pidbox", f"{self.prefix}celeryev", f"{self.prefix}celery"):
+                own = (f"{self.prefix}celery.pidbox", f"{self.prefix}celeryev", f"{self.prefix}celery")
+                for exchange in (*own, *sorted(self.extra_exchanges)):
                     channel.exchange_delete(exchange)
         if self._store is not None:
             delete_slot_rows(self._store, self.prefix)

@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -278,7 +278,10 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     # Hostile-input tests: a cap of 1 per key, with an odd name and whatever key odd_key makes.
     odd = Cap(f"{prefix}{ODD_CAP_NAME}", 1, key=odd_key)
 
-    def run_body(task: Any, counters: Sequence[str], seconds: float, **extra: Any) -> dict[str, Any]:
+    def run_body(
+        task: Any, counters: Sequence[str], seconds: float, midway: Callable[[], None] | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        """Record a run of ``seconds``; ``midway`` is called in the body once half of them passed."""
         request = task.request
         meta = {
             "hostname": request.hostname,
@@ -293,7 +296,11 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
         completed = False
         try:
             deadline = time.monotonic() + seconds
+            halfway = deadline - seconds / 2
             while time.monotonic() < deadline:  # short steps: a soft time limit interrupts a sleep
+                if midway is not None and time.monotonic() >= halfway:
+                    midway, call = None, midway
+                    call()
                 time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
             completed = True
         finally:
@@ -383,6 +390,27 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
         if self.request.retries < retries:
             raise self.retry(countdown=0.1)
         return result
+
+    @app.task(name="fleet.retry_goes_on", cap=one, max_retries=3, **task_options)
+    def retry_goes_on(self: Any, scope: str, how: str, seconds: float, countdown: float = 3.0) -> dict[str, Any]:
+        """Runs ``seconds``; halfway through, its first attempt asks for a retry and goes on with
+        its body: ``how="throw=False"`` sends the retry (``self.retry(countdown=..., throw=False)``)
+        and carries on; ``how="max-retries-caught"`` has no retry left (``self.retry(max_retries=0)``)
+        and catches ``MaxRetriesExceededError``.  Counted in Redis ``retry-asked``."""
+
+        def ask_for_retry() -> None:
+            if self.request.retries:
+                return
+            recorder.count("retry-asked", self.request.id)
+            if how == "throw=False":
+                self.retry(countdown=countdown, throw=False)
+                return
+            try:
+                self.retry(max_retries=0)
+            except self.MaxRetriesExceededError:
+                recorder.count("max-retries-caught", self.request.id)
+
+        return run_body(self, [f"one:{scope}"], seconds, midway=ask_for_retry)
 
     @app.task(
         name="fleet.autoretrying", cap=duo, autoretry_for=(RuntimeError,), retry_backoff=0.1, retry_backoff_max=1,
