@@ -98,11 +98,12 @@ def publish_woken(runtime: CapsContext, woken: Sequence[Woken]) -> list[Woken]:
                 headers = {**(signature.options.get("headers") or {}), DISPATCH_HEADER: waiter.run_id}
                 queue = destination_queue(app, signature)
                 if queue is not None:
-                    # The delivery's exchange and routing key, which a parked signature carries,
-                    # would send it past its wake queue (Celery drops options given as None).
-                    for option in ("exchange", "routing_key"):
-                        signature.options.pop(option, None)
-                    signature.options["queue"] = wake_queue(wake_queue_name(queue))
+                    # The wake queue's own exchange and routing key, named: the delivery's, which a
+                    # parked signature carries, and a route of task_routes, which Celery's router
+                    # merges in, would send it past its wake queue (and Celery drops options
+                    # given as None).
+                    wake = wake_queue(wake_queue_name(queue))
+                    signature.options.update(queue=wake, exchange=wake.exchange.name, routing_key=wake.routing_key)
                 signature.apply_async(headers=headers, add_to_parent=False)
                 published.append(waiter)
             except _BROKER_ERRORS as broker_error:

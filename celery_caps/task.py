@@ -138,7 +138,7 @@ class CappedTask(Task):  # type: ignore[misc]
         else:
             runs_before = runtime.runs_of(request.id)
             try:
-                strategy = park if self._parks(runtime) else backoff
+                strategy = park if self._parks(runtime, request) else backoff
                 run_id = strategy.admit(self, runtime, request, slots, holder, args, kwargs)
             except _GREEN_KILLS as exc:
                 self._give_back_when_killed(runtime, request, runs_before, exc)
@@ -154,8 +154,14 @@ class CappedTask(Task):  # type: ignore[misc]
                 runtime.finish(run_id)
                 runtime.release(run_id)
 
-    def _parks(self, runtime: CapsRuntime) -> bool:
-        return runtime.settings.parking.strategy_for(self._caps) == PARK and isinstance(runtime.store, ParkingStore)
+    def _parks(self, runtime: CapsRuntime, request: Any) -> bool:
+        """Whether this copy goes through park's admission: the strategy chooses park, or it is a
+        woken copy (it carries a dispatch), which claims its dispatch whatever the strategy now."""
+        if not isinstance(runtime.store, ParkingStore):
+            return False
+        if messages.header(request, messages.DISPATCH_HEADER):
+            return True
+        return runtime.settings.parking.strategy_for(self._caps) == PARK
 
     def _give_back_when_killed(
         self, runtime: CapsRuntime, request: Any, runs_before: set[str], exc: BaseException
