@@ -35,6 +35,7 @@ from .common import (
     guard,
     lease_json,
     lease_table,
+    names_slot,
     new_console,
     one_line,
     operator_for,
@@ -161,6 +162,7 @@ def _status_tables(
     operator: Operator, statuses: Sequence[SlotStatus], cap: str | None, waiting: Mapping[str, SlotWaiting]
 ) -> list[Any]:
     from rich.table import Table
+    from rich.text import Text
 
     threshold = operator.settings.key_warning_threshold
     show_waiting = _shows_waiting(operator, waiting)
@@ -174,10 +176,10 @@ def _status_tables(
     for line in summarize(operator, statuses, waiting):
         if cap is not None and line.cap != cap:
             continue
-        keys = str(line.keys) if line.keyed else "-"
+        keys: str | Text = str(line.keys) if line.keyed else "-"
         if line.keys > threshold:
-            keys = f"[bold red]{line.keys}[/] (> {threshold})"
-        name = line.cap if line.registered else f"{line.cap} [dim](not registered)[/]"
+            keys = Text.assemble((str(line.keys), "bold red"), f" (> {threshold})")
+        name = line.cap if line.registered else Text.assemble(line.cap, (" (not registered)", "dim"))
         cells = [name, str(line.limit) if line.limit is not None else "?", keys, str(line.holders), str(line.expired)]
         if show_waiting:
             cells.append(str(line.waiters))
@@ -190,9 +192,9 @@ def _status_tables(
         if cap is not None and status.slot.partition(":")[0] != cap:
             continue
         limit = operator.limit_of(status.slot, status.limit)
-        holders = str(status.holders)
+        holders: str | Text = str(status.holders)
         if limit is not None and status.holders >= limit:
-            holders = f"[bold]{status.holders}[/] (full)"
+            holders = Text.assemble((str(status.holders), "bold"), " (full)")
         cells = [status.slot, str(limit) if limit is not None else "?", holders, str(status.expired)]
         if show_waiting:
             slot_waiting = waiting.get(status.slot)
@@ -256,8 +258,8 @@ def status(ctx: click.Context, as_json: bool, cap: str | None) -> None:
 
 
 def _slots_of(name: str, statuses: Iterable[SlotStatus]) -> list[str]:
-    """``name`` itself if it is a slot, plus every key of it if it is a cap."""
-    return [status.slot for status in statuses if status.slot == name or status.slot.startswith(name + ":")]
+    """The slot ``name``, or (a cap) the cap's slot and every key of it: see :func:`names_slot`."""
+    return [status.slot for status in statuses if names_slot(name, status.slot)]
 
 
 @caps.command()
@@ -412,22 +414,36 @@ def release(ctx: click.Context, task_id: str, yes: bool) -> None:
 @caps.command(name="prune-keys")
 @click.argument("cap")
 @click.option("--dry-run", is_flag=True, help="List the keys that would go; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
-def prune_keys(ctx: click.Context, cap: str, dry_run: bool) -> None:
-    """Delete the rows of CAP's keys that no live lease holds (retired tenants, regions).
+def prune_keys(ctx: click.Context, cap: str, dry_run: bool, yes: bool) -> None:
+    """Delete the rows of CAP's keys that no live lease holds and no parked task waits for
+    (retired tenants, regions); the keys are listed first, and deleted once confirmed.
 
+    CAP is matched exactly, case included: ``tenant`` never reaches the keys of ``Tenant``.
     Safe while workers run: a key being admitted into is kept, or admitted again afresh.
     """
     if not cap or ":" in cap:
         raise click.BadParameter(f"{cap!r} is not a cap name (a cap name has no ':')", param_hint="CAP")
     operator = operator_for(ctx)
-    pruned = guard(lambda: operator.store.prune(f"{cap}:", dry_run=dry_run))
-    verb = "would delete" if dry_run else "deleted"
-    click.echo(f"{verb} {len(pruned)} key(s) of cap {cap}")
-    for slot in pruned[:50]:
+    prefix = f"{cap}:"
+    if dry_run or not yes:
+        candidates = guard(lambda: operator.store.prune(prefix, dry_run=True))
+        _echo_keys(f"would delete {len(candidates)} key(s) of cap {cap}", candidates)
+        if dry_run or not candidates:
+            return
+        click.confirm(f"Delete {len(candidates)} key(s) of cap {cap}?", abort=True)
+    # (What is idle now: a key listed above that a task took since is kept.)
+    pruned = guard(lambda: operator.store.prune(prefix))
+    _echo_keys(f"deleted {len(pruned)} key(s) of cap {cap}", pruned)
+
+
+def _echo_keys(heading: str, slots: Sequence[str], shown: int = 50) -> None:
+    click.echo(heading)
+    for slot in slots[:shown]:
         click.echo(f"  {slot}")
-    if len(pruned) > 50:
-        click.echo(f"  ... and {len(pruned) - 50} more")
+    if len(slots) > shown:
+        click.echo(f"  ... and {len(slots) - shown} more")
 
 
 # -- the waiting list (park strategy) ------------------------------------------------
@@ -443,7 +459,7 @@ def _parking_operator(ctx: click.Context) -> Operator:
 
 def _waiters_of(operator: Operator, name: str) -> list[Waiter]:
     """The waiters of NAME (a slot, or a cap with all its keys); an unknown name is an error."""
-    waiters = [w for w in operator.waiters() if w.slot == name or w.slot.startswith(name + ":")]
+    waiters = [waiter for waiter in operator.waiters() if names_slot(name, waiter.slot)]
     if not waiters and not _slots_of(name, operator.statuses()) and name.partition(":")[0] not in operator.caps:
         raise click.ClickException(f"no slot or cap named {name!r} (see `celery caps status`)")
     return waiters
@@ -540,13 +556,14 @@ def watch(ctx: click.Context, interval: float, cap: str | None, iterations: int)
     Not on a terminal (a log, a pipe, CI), each refresh is printed in full, one after another."""
     from rich.console import Group
     from rich.live import Live
+    from rich.text import Text
 
     operator = operator_for(ctx)
 
     def view() -> RenderableType:
         statuses = operator.statuses()
         waiting = waiting_per_slot(operator.waiters())
-        stamp = f"[dim]{clock(time.time())}, every {interval:g}s, Ctrl-C to quit[/]"
+        stamp = Text(f"{clock(time.time())}, every {interval:g}s, Ctrl-C to quit", style="dim")
         return Group(stamp, *_status_tables(operator, statuses, cap, waiting))
 
     console = new_console()
@@ -600,7 +617,7 @@ def timeline(ctx: click.Context, since_text: str, out: str, cap: str | None, max
     series = occupancy(events, leases, since, now)
 
     def wanted(slot: str) -> bool:
-        return cap is None or slot == cap or slot.startswith(cap + ":")
+        return cap is None or names_slot(cap, slot)
 
     series = {slot: value for slot, value in series.items() if wanted(slot)}
     waiters = [waiter for waiter in operator.waiters() if wanted(waiter.slot)]

@@ -125,10 +125,14 @@ def operator_for(ctx: click.Context) -> Operator:
 
 
 def new_console() -> Any:
+    """A console that prints strings as they are: slot names, task ids, task names and holders
+    come from task arguments and callers, so neither markup (``[/]`` would crash a table,
+    ``[link=...]`` or ``[bold]`` fake or hide text) nor emoji codes (``:tenant:``) are read in
+    them.  What the commands style themselves they pass as :class:`rich.text.Text`."""
     from rich.console import Console
 
     # sys.stdout at call time: click's test runner swaps it.
-    return Console(file=sys.stdout, highlight=False, soft_wrap=False, width=terminal_width())
+    return Console(file=sys.stdout, markup=False, emoji=False, highlight=False, soft_wrap=False, width=terminal_width())
 
 
 def terminal_width() -> int | None:
@@ -168,6 +172,13 @@ def parse_duration(text: str) -> float:
 
 def clock(epoch: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(epoch))
+
+
+def names_slot(name: str, slot: str) -> bool:
+    """Whether ``name`` names ``slot``: a slot name (``tenant:acme``, with a ``:``) names that slot
+    alone, never a longer key (``tenant:acme:eu``); a cap name (``tenant``) names the cap's own
+    slot and every key of it (``tenant:*``).  Names compare exactly, case included."""
+    return slot == name or (":" not in name and slot.startswith(name + ":"))
 
 
 def split_holder(holder: str) -> tuple[str, str]:

@@ -182,10 +182,12 @@ def _waited(
 
 
 def print_explanation(report: Mapping[str, Any]) -> None:
+    from rich.text import Text
+
     console = new_console()
     now = time.time()
     name = f" ({report['task_name']})" if report["task_name"] else ""
-    console.print(f"[bold]task {report['task_id']}{name}[/]: {report['state']}")
+    console.print(Text.assemble((f"task {report['task_id']}{name}", "bold"), f": {report['state']}"))
     if report["result_state"]:
         console.print(f"  result backend state: {report['result_state']}")
     if report["holds"]:
@@ -226,12 +228,12 @@ def print_explanation(report: Mapping[str, Any]) -> None:
         console.print("  needs:")
         for slot in report["slots"]:
             limit = slot["limit"] if slot["limit"] is not None else "?"
-            flag = " [bold red]FULL[/]" if slot["full"] else ""
-            console.print(f"    {slot['slot']}: {slot['holders']}/{limit} held{flag}")
+            flag = (" FULL", "bold red") if slot["full"] else ""
+            console.print(Text.assemble(f"    {slot['slot']}: {slot['holders']}/{limit} held", flag))
             for lease in slot["held_by"]:
                 console.print(
                     f"      {lease['task_id']} {lease['task_name'] or '?'} on {lease['worker']}/{lease['pid']}, "
                     f"age {duration(lease['age_seconds'])}, expires in {duration(lease['expires_in_seconds'])}"
                 )
     if report["history_note"] and report["state"] in ("unknown", "waiting"):
-        console.print(f"  [dim]{report['history_note']}[/]")
+        console.print(Text(f"  {report['history_note']}", style="dim"))

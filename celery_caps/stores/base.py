@@ -107,10 +107,11 @@ from __future__ import annotations
 import abc
 import enum
 import functools
+import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import quote, quote_plus, unquote_plus, urlsplit, urlunsplit
 
 from ..errors import StoreError, StoreInputError
 from . import checks
@@ -441,9 +442,11 @@ class SlotStore(abc.ABC):
         ``orig``), never a secret."""
         reason = getattr(exc, "orig", None) or exc
         message = f"{operation} failed on {self.display_url}: {type(reason).__name__}: {reason}"
-        for secret in self.secrets():
-            if secret:
-                message = message.replace(secret, "***")
+        # Each secret as written, and as a URL carries it (a driver may quote the URL back).
+        secrets = [secret for secret in self.secrets() if secret]
+        forms = {form for secret in secrets for form in (secret, quote(secret, safe=""), quote_plus(secret))}
+        for form in sorted(forms, key=len, reverse=True):
+            message = message.replace(form, "***")
         return StoreError(message)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -701,8 +704,15 @@ class ParkingStore(SlotStore):
         are not listed."""
 
 
-# Query parameters that carry a secret in some drivers' URLs (``unix://...?password=``).
-_SECRET_QUERY_PARAMETERS = frozenset({"password", "pass", "pwd", "passwd"})
+# Words that make a URL query parameter a credential: ``password``, ``sslpassword``,
+# ``sentinel_password``, ``passwd`` (MySQL drivers), ``pwd``, ``pass``, and ``*secret*``,
+# ``*token*``, ``*credential*`` (a driver's own way to pass one).
+_SECRET_PARAMETER = re.compile(r"passw(or)?d|pass$|pwd$|secret|token|credential")
+
+
+def secret_parameter(name: str) -> bool:
+    """Whether the URL query parameter ``name`` carries a credential (its value is never shown)."""
+    return _SECRET_PARAMETER.search(name.lower()) is not None
 
 
 def green_threads() -> bool:
@@ -717,7 +727,9 @@ def green_threads() -> bool:
 
 
 def mask_url(url: str) -> str:
-    """``url`` with any password (in the user part or the query) replaced by ``***``, safe for logs."""
+    """``url`` with every credential replaced by ``***``, safe for logs: the password of the user
+    part, and the value of each query parameter that carries one (:func:`secret_parameter`);
+    the rest is left as written."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -726,11 +738,13 @@ def mask_url(url: str) -> str:
     if parts.password is not None:
         netloc = parts.netloc.rsplit("@", 1)[1]
         masked = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{netloc}"))
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
-    if any(name.lower() in _SECRET_QUERY_PARAMETERS for name, _ in pairs):
-        query = urlencode(
-            [(name, "***" if name.lower() in _SECRET_QUERY_PARAMETERS else value) for name, value in pairs], safe="*"
-        )
-        # Replace the query text only: urlunsplit would also rewrite "scheme:///path".
-        masked = masked[: masked.index("?") + 1] + query + (f"#{parts.fragment}" if parts.fragment else "")
+    if parts.query:
+        # The query's text only, field by field: urlunsplit would also rewrite "scheme:///path".
+        head, _, rest = masked.partition("?")
+        query, hash_mark, fragment = rest.partition("#")
+        fields = []
+        for field in query.split("&"):
+            name, equals, _value = field.partition("=")
+            fields.append(f"{name}=***" if equals and secret_parameter(unquote_plus(name)) else field)
+        masked = f"{head}?{'&'.join(fields)}{hash_mark}{fragment}"
     return masked

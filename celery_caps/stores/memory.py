@@ -74,8 +74,9 @@ class _WaiterEntry:
 
 
 def of_caps(slot: str, caps: Collection[str]) -> bool:
-    """Whether ``slot`` belongs to one of ``caps``: named like it, or one of its keys'."""
-    return any(slot == cap or slot.startswith(cap + ":") for cap in caps)
+    """Whether ``slot`` belongs to one of ``caps``: named like it, or (a cap name, without ``:``)
+    one of its keys'.  A slot name given as a cap is that slot alone, never a longer key."""
+    return any(slot == cap or (":" not in cap and slot.startswith(cap + ":")) for cap in caps)
 
 
 class MemoryStore(ParkingStore):

@@ -4,7 +4,8 @@
 -- oldest first; then every waiting entry that has room now (by its slots' limits in the
 -- limits hash) is dispatched with leases, oldest first.  With a scope (cap names, task
 -- names, or both), only the entries waiting for a slot of one of the caps (named like the
--- cap, or "<cap>:<key>") or of a task named are considered, with (to keep the order fair)
+-- cap, or "<cap>:<key>" for a cap name without ':'; a slot name is that slot alone) or of a
+-- task named are considered, with (to keep the order fair)
 -- the other waiters of the slots those need.  Finding the entries of the tasks named reads
 -- the records of the waiters of every other slot's list.
 --
@@ -42,7 +43,7 @@ local function of_caps(slot)
     return true
   end
   for _, cap in ipairs(caps) do
-    if slot == cap or string.sub(slot, 1, #cap + 1) == cap .. ':' then
+    if slot == cap or (not string.find(cap, ':', 1, true) and string.sub(slot, 1, #cap + 1) == cap .. ':') then
       return true
     end
   end

@@ -337,7 +337,7 @@ def test_prune_keys_dry_run_then_for_real(app: Celery, busy: dict[str, Any], sto
     assert dry.output.splitlines() == [f"would delete 1 key(s) of cap {cap}", f"  {cap}:old"]
     assert f"{cap}:old" in own_status(store, prefix)
 
-    done = run(app, "prune-keys", cap)
+    done = run(app, "prune-keys", cap, "--yes")
     assert done.output.splitlines() == [f"deleted 1 key(s) of cap {cap}", f"  {cap}:old"]
     assert set(own_status(store, prefix)) == {f"{prefix}email", f"{prefix}provider", f"{cap}:acme"}
 
@@ -378,7 +378,7 @@ def test_prune_keys_keeps_a_key_that_a_parked_task_waits_for(
     park_task(app, store, {f"{cap}:gone": 1}, f"{prefix}parked", first=1.0, tenant="gone")
     wait_expired(store, holder)
 
-    result = run(app, "prune-keys", cap)
+    result = run(app, "prune-keys", cap, "--yes")
 
     # Then only the idle key "old" goes
     assert result.output.splitlines() == [f"deleted 1 key(s) of cap {cap}", f"  {cap}:old"]

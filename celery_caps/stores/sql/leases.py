@@ -26,10 +26,10 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from ..base import Admission, HistoryEvent, Lease, SlotStatus, SlotStore
+from ..base import Admission, HistoryEvent, Lease, SlotStatus, SlotStore, mask_url, secret_parameter
 from .dialects import READ_ONLY_OPTION, create_engine, dialect_of
 from .schema import MAX_TASK_NAME_LENGTH, TABLE_NAME, concurrency_slots_history, metadata
-from .statements import Statements, admission_params, like_prefix
+from .statements import Statements, admission_params
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +87,17 @@ class SQLLeaseStore(SlotStore):
 
     @property
     def display_url(self) -> str:
-        return self._engine.url.render_as_string(hide_password=True)
+        """The engine's URL with every credential masked: its password, and a password (or any
+        credential) passed as a query parameter (``?password=``, ``?passwd=``, ...)."""
+        return mask_url(self._engine.url.render_as_string(hide_password=False))
 
     def secrets(self) -> Sequence[str]:
-        password = self._engine.url.password
-        return (str(password),) if password else ()
+        url = self._engine.url
+        found = [url.password] if url.password else []
+        for name, value in url.query.items():
+            if secret_parameter(name):
+                found += [value] if isinstance(value, str) else list(value)
+        return tuple(str(secret) for secret in found if secret)
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -318,9 +324,8 @@ class SQLLeaseStore(SlotStore):
         return self._transaction(read, read_only=True)
 
     def prune(self, prefix: str, *, dry_run: bool = False) -> list[str]:
-        # MySQL's name columns are VARBINARY: match bytes.
-        pattern = self.dialect.exact(like_prefix(prefix))
         statements = self.statements
+        pattern = statements.prefix_pattern(prefix)
 
         def prune(connection: Connection) -> list[str]:
             candidates = "prune_candidates" if dry_run else "prune_locked_candidates"

@@ -376,7 +376,8 @@ END $$
 
 -- A claimed entry leaves the list: a tombstone of p_holder's claim until p_done_until if it was
 -- dispatched p_minimum times or more (copies of its other dispatches may be on their way; 0:
--- always), else deleted.  Its slots' list counts go down by one, last (see concurrency_waitlists).
+-- always), else deleted; a tombstone keeps no payload (the task's arguments).  Its slots' list
+-- counts go down by one, last (see concurrency_waitlists).
 CREATE OR REPLACE FUNCTION concurrency_waiters_settle(
     p_task_id text, p_run_id text, p_holder text, p_done_until double precision, p_minimum integer
 ) RETURNS void LANGUAGE plpgsql VOLATILE AS $$
@@ -384,7 +385,7 @@ DECLARE
     v_slots text[];
 BEGIN
     WITH kept AS (
-        UPDATE concurrency_waiters w SET done_until = p_done_until, claimed_by = p_holder
+        UPDATE concurrency_waiters w SET done_until = p_done_until, claimed_by = p_holder, payload = ''::bytea
         WHERE w.task_id = p_task_id AND w.dispatch_run_id = p_run_id AND w.done_until IS NULL
             AND w.dispatches >= p_minimum
         RETURNING w.slot),

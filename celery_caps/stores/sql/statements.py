@@ -1,14 +1,16 @@
 """Every SQL statement of the portable SQL store, by name, and their compiled forms.
 
 ``{now}`` in a template is the dialect's clock (:attr:`Dialect.now`), ``{for_update}`` and
-``{skip_locked}`` its row locks; ``:slots``, ``:task_ids``, ``:run_ids`` and ``:task_names`` are
-lists (expanding binds).
+``{skip_locked}`` its row locks, ``{slot_starts_with}`` the condition that ``slot`` starts with a
+prefix, exactly and case included (its ``:pattern`` is :meth:`Statements.prefix_pattern`);
+``:slots``, ``:task_ids``, ``:run_ids`` and ``:task_names`` are lists (expanding binds).
 The admission statements over several slots (``{values}``/``{slots}``) are built per number
 of slots by :meth:`Statements.execute_for_slots`.
 
 The waiting list's states, by column: waiting (``dispatch_run_id`` NULL), dispatched
 (``dispatch_run_id`` set, ``done_until`` NULL), tombstone (``done_until`` set; it keeps its
-dispatch's run id, so "``dispatch_run_id IS NULL``" alone selects the waiting).  Every
+dispatch's run id, so "``dispatch_run_id IS NULL``" alone selects the waiting, and an empty
+payload: the task's arguments do not outlive its entry).  Every
 change of an entry's state is conditional on the state it was read in, so that a step that
 lost a race to another changes nothing.
 """
@@ -99,12 +101,9 @@ TEMPLATES: dict[str, str] = {
     # Prune: lock the candidate sentinels first (admission locks them too, so after this no
     # lease can be added to them), find the held and waited-for ones in later statements, then
     # delete sentinels and expired leases of the others, and the tombstones of their tasks.
-    "prune_candidates": (
-        "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot LIKE :pattern ESCAPE '/' ORDER BY slot"
-    ),
+    "prune_candidates": "SELECT slot FROM concurrency_slots WHERE run_id = '' AND {slot_starts_with} ORDER BY slot",
     "prune_locked_candidates": (
-        "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot LIKE :pattern ESCAPE '/' "
-        "ORDER BY slot{for_update}"
+        "SELECT slot FROM concurrency_slots WHERE run_id = '' AND {slot_starts_with} ORDER BY slot{for_update}"
     ),
     "prune_live": (
         "SELECT DISTINCT slot FROM concurrency_slots WHERE slot IN :slots AND run_id <> '' AND expires_at > {now}"
@@ -159,11 +158,12 @@ TEMPLATES: dict[str, str] = {
         "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND holder = :holder AND run_id <> ''"
     ),
     "task_slots": "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''",
-    # The listed slots of one cap (recovery of some caps): the slot named like it, and its keys'.
+    # The listed slots of one cap (recovery of some caps): the slot named like it, and its keys';
+    # of a slot name (it has a ':'), that slot alone (listed_slot).
     "cap_slots": (
-        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL "
-        "AND (slot = :cap OR slot LIKE :pattern ESCAPE '/')"
+        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND (slot = :cap OR {slot_starts_with})"
     ),
+    "listed_slot": "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND slot = :cap",
     # Every slot of the listed entries of the tasks named :task_names (recovery of the tasks a
     # worker knows, whatever their slots are called).
     "named_slots": (
@@ -232,9 +232,11 @@ TEMPLATES: dict[str, str] = {
         "UPDATE concurrency_slots SET holder = :holder, expires_at = {now} + :lease_seconds "
         "WHERE run_id = :run_id AND task_id = :task_id"
     ),
-    # (:minimum: the dispatches from which a claimed entry leaves a tombstone; 0: always.)
+    # (:minimum: the dispatches from which a claimed entry leaves a tombstone; 0: always.)  A
+    # tombstone keeps no payload (the task's arguments): an empty one, the column being NOT NULL.
     "settle_tombstone": (
-        "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds, claimed_by = :holder "
+        "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds, claimed_by = :holder, "
+        "payload = :no_payload "
         "WHERE task_id = :task_id AND dispatch_run_id = :run_id AND done_until IS NULL AND dispatches >= :minimum"
     ),
     "settle_delete": (
@@ -243,7 +245,7 @@ TEMPLATES: dict[str, str] = {
     ),
     "delete_waiting": "DELETE FROM concurrency_waiters WHERE task_id = :task_id AND dispatch_run_id IS NULL",
     "tombstone": (
-        "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds "
+        "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds, payload = :no_payload "
         "WHERE task_id = :task_id AND dispatch_run_id = :run_id AND done_until IS NULL"
     ),
     # (:now: the store's clock read once, so that the deadline's index is used.)
@@ -327,8 +329,16 @@ class Statements:
                 for_update=dialect.for_update,
                 skip_locked=dialect.for_update_skip_locked,
                 cap_of_slot=dialect.cap_of_slot,
+                slot_starts_with=_SLOT_STARTS_WITH.get(dialect.name, _SLOT_LIKE),
             )
         )
+
+    def prefix_pattern(self, prefix: str) -> str | bytes:
+        """The ``:pattern`` of ``{slot_starts_with}`` for the names that start with ``prefix``."""
+        if self.dialect.name == "sqlite":
+            return _glob_prefix(prefix)
+        # MySQL's name columns are VARBINARY: it matches bytes.
+        return self.dialect.exact(_like_prefix(prefix))
 
     def _prepare(self, text: str) -> _Prepared:
         statement = sa.text(text)
@@ -393,9 +403,22 @@ def admission_params(
     return params
 
 
-def like_prefix(prefix: str) -> str:
+# Whether ``slot`` starts with a prefix, exactly.  LIKE compares case-sensitively on PostgreSQL
+# and on MySQL's VARBINARY names; SQLite's LIKE folds ASCII case ("tenant:%" matches "Tenant:x"),
+# its GLOB does not (and, on the primary key's BINARY collation, can use its index).
+_SLOT_LIKE = "slot LIKE :pattern ESCAPE '/'"
+_SLOT_STARTS_WITH = {"sqlite": "slot GLOB :pattern"}
+
+
+def _like_prefix(prefix: str) -> str:
     """A LIKE pattern (escape character ``/``) matching the names that start with ``prefix``."""
     return prefix.replace("/", "//").replace("%", "/%").replace("_", "/_") + "%"
+
+
+def _glob_prefix(prefix: str) -> str:
+    """A GLOB pattern matching the names that start with ``prefix``: each wildcard character of
+    it (``*``, ``?``, ``[``) inside brackets, where it stands for itself."""
+    return "".join(f"[{character}]" if character in "*?[" else character for character in prefix) + "*"
 
 
 # -- PostgreSQL: calls of its functions (postgresql.sql), in psycopg's parameter style ----------

@@ -22,7 +22,7 @@ from ...errors import StoreError
 from ..base import DISPATCH_HOLDER, ClaimOutcome, ParkingStore, ParkOutcome, ParkRequest, Waiter, Woken
 from .leases import BATCH, SQLLeaseStore, _cut, as_text
 from .schema import MAX_TASK_NAME_LENGTH, concurrency_waiters, concurrency_waitlists
-from .statements import admission_params, like_prefix
+from .statements import admission_params
 
 #: Waiter rows read per batch when a release looks for waiters to dispatch.
 WAITING_BATCH = 64
@@ -30,6 +30,8 @@ WAITING_BATCH = 64
 _BEFORE_ANY_TIME = -1e300
 #: Reads of a task's entry by ``forget`` while other steps keep changing it.
 _FORGET_ATTEMPTS = 5
+#: The payload of a tombstone: the task is gone, and so are its arguments (the column is NOT NULL).
+NO_PAYLOAD = b""
 
 
 class SQLStore(SQLLeaseStore, ParkingStore):
@@ -248,6 +250,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             "holder": holder,
             "lease_seconds": lease_seconds,
             "done_seconds": self.done_seconds,
+            "no_payload": NO_PAYLOAD,
         }
         statements = self.statements
         other_copy = ClaimOutcome.ADMIT if redelivered else ClaimOutcome.END
@@ -298,7 +301,12 @@ class SQLStore(SQLLeaseStore, ParkingStore):
 
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         statements = self.statements
-        params = {"task_id": task_id, "holder": DISPATCH_HOLDER, "done_seconds": self.done_seconds}
+        params = {
+            "task_id": task_id,
+            "holder": DISPATCH_HOLDER,
+            "done_seconds": self.done_seconds,
+            "no_payload": NO_PAYLOAD,
+        }
 
         def forget(connection: Connection) -> tuple[int, list[Woken]]:
             # Every dispatch lease of the task first (a release's, or one taken when it was sent:
@@ -351,8 +359,13 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             if scoped:
                 cap_slots: set[str] = set()
                 for cap in cap_names:
-                    pattern = {"cap": cap, "pattern": self.dialect.exact(like_prefix(cap + ":"))}
-                    cap_slots.update(as_text(row[0]) for row in statements.execute(connection, "cap_slots", pattern))
+                    # A cap: its slot and its keys'; a slot name (it has a ':'): that slot alone.
+                    if ":" in cap:
+                        rows = statements.execute(connection, "listed_slot", {"cap": cap})
+                    else:
+                        pattern = {"cap": cap, "pattern": statements.prefix_pattern(cap + ":")}
+                        rows = statements.execute(connection, "cap_slots", pattern)
+                    cap_slots.update(as_text(row[0]) for row in rows)
                 considered = self._names(connection, "listed_slots", "slots", cap_slots) if cap_slots else set()
                 if names:
                     considered |= self._names(connection, "named_slots", "task_names", names)
