@@ -64,7 +64,8 @@ def draw_timeline(
         if marks:
             axis.plot(marks, [limit or top] * len(marks), "x", color="tab:orange", markersize=5, label="put back")
         axis.set_ylim(0, top * 1.25 + 0.2)
-        axis.set_ylabel(occupancy.slot, rotation=0, ha="right", va="center", fontsize=9)
+        # A slot name is data: never read as math text (a key holding "$" would fail or be rendered).
+        axis.set_ylabel(occupancy.slot, rotation=0, ha="right", va="center", fontsize=9, parse_math=False)
         axis.yaxis.get_major_locator().set_params(integer=True)
         axis.grid(True, axis="y", alpha=0.3)
         axis.legend(loc="upper left", fontsize=7, ncol=3, frameon=False)

@@ -187,6 +187,24 @@ def test_timeline_of_hostile_keys_draws_them(app: Celery, hostile: dict[str, Any
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_timeline_draws_a_key_that_matplotlib_would_read_as_math(
+    app: Celery, store: SlotStore, prefix: str, tmp_path: Path
+) -> None:
+    # A "$" in a label is math text to matplotlib: "$\\frac{$x" failed to draw (ValueError).
+    key = f"{prefix}tenant:$\\frac{{$x"
+    take(store, {key: 1}, f"{prefix}math-run", name="job", holder="w/1")
+    now = time.time()
+    store.record_history(
+        [HistoryEvent("ran", now - 2, f"{prefix}math-run", "job", (key,), (), "w/1", now - 9, 0)],
+        keep_seconds=600,
+        max_events=100_000,
+    )
+    out = tmp_path / "caps.png"
+    result = run(app, "timeline", "--since", "5m", "--out", str(out), "--cap", f"{prefix}tenant")
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_json_keeps_hostile_names_as_they_are(app: Celery, hostile: dict[str, Any], prefix: str) -> None:
     report = json.loads(run(app, "status", "--json").output)
     assert set(hostile["keys"]) <= {line["slot"] for line in report["slots"]}
