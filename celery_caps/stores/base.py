@@ -100,6 +100,11 @@ The atomic steps:
 
 Every dispatch is returned as a :class:`Woken` for the caller to publish (the entry
 keeps answering for the task until a copy claims it).
+
+Deployments: several deployments (staging and production, each with its broker) may share a
+store and its caps.  Each entry records the deployment of the handle that parked it
+(:attr:`SlotStore.deployment`), and a handle only ever dispatches entries of its own
+deployment, so that a task is only published through its own deployment's broker.
 """
 
 from __future__ import annotations
@@ -426,6 +431,12 @@ class SlotStore(abc.ABC):
 
     #: The exceptions of the store's driver that mean "the store failed"; wrapped in StoreError.
     driver_errors: tuple[type[BaseException], ...] = ()
+    #: The deployment this handle serves (``caps_deployment``): the entries it parks record it,
+    #: and every hand-over it makes (a release's wake, recovery, a readmit) dispatches only
+    #: entries of its own deployment, whose copies go to its own broker; the others are passed
+    #: over, keeping their place.  The slots themselves are shared: a cap counts every
+    #: deployment's holders.
+    deployment: str = ""
 
     @property
     def display_url(self) -> str:

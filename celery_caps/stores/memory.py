@@ -62,6 +62,8 @@ class _WaiterEntry:
     done_until: float | None = None
     #: A tombstone of a claim: the holder that claimed ``dispatch_run_id``.
     claimed_by: str | None = None
+    #: The deployment of the handle that parked it (only that deployment dispatches it).
+    deployment: str = ""
 
     @property
     def waiting(self) -> bool:
@@ -155,7 +157,7 @@ class MemoryStore(ParkingStore):
                 return ParkOutcome.LIST_FULL
             self._waiting[task_id] = _WaiterEntry(
                 task_id, tuple(sorted(slots)), request.payload, request.first_deferred_at, now, next(self._sequence),
-                request.task_name, dispatches=dispatches,
+                request.task_name, dispatches=dispatches, deployment=self.deployment,
             )  # fmt: skip
             return ParkOutcome.PARKED
 
@@ -188,13 +190,15 @@ class MemoryStore(ParkingStore):
         return Woken(entry.task_id, run_id, entry.payload, entry.task_name, readmit=not leases)
 
     def _wake_locked(self, now: float, dispatch_lease_seconds: float, only: set[str] | None = None) -> list[Woken]:
-        """Dispatch the oldest waiters (of one of the slots ``only``, if given) that have room
-        (the lock is held)."""
+        """Dispatch the oldest waiters of this deployment (of one of the slots ``only``, if given)
+        that have room (the lock is held)."""
         woken = []
         waiting = self._in_order(
             waiter
             for waiter in self._waiting.values()
-            if waiter.waiting and (only is None or not only.isdisjoint(waiter.slots))
+            if waiter.waiting
+            and waiter.deployment == self.deployment
+            and (only is None or not only.isdisjoint(waiter.slots))
         )
         for waiter in waiting:
             if not self._full_slots(self._current_limits(waiter.slots), waiter.task_id, now):
@@ -305,7 +309,11 @@ class MemoryStore(ParkingStore):
 
         with self._lock:
             now = self.clock()
-            considered = [entry for entry in self._waiting.values() if entry.listed and in_scope(entry)]
+            considered = [
+                entry
+                for entry in self._waiting.values()
+                if entry.listed and entry.deployment == self.deployment and in_scope(entry)
+            ]
             only = {slot for entry in considered for slot in entry.slots} if scoped else None
             for entry in considered:
                 if entry.dispatch_run_id is not None and entry.dispatch_expires_at <= now:
@@ -320,7 +328,9 @@ class MemoryStore(ParkingStore):
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
         with self._lock:
             now = self.clock()
-            entries = self._in_order(e for e in self._waiting.values() if e.waiting and slot in e.slots)
+            entries = self._in_order(
+                e for e in self._waiting.values() if e.waiting and e.deployment == self.deployment and slot in e.slots
+            )
             return [self._dispatch_locked(entry, now, dispatch_lease_seconds, leases=False) for entry in entries]
 
     def waiters(self, slot: str | None = None) -> list[Waiter]:
