@@ -13,8 +13,10 @@ be reported as a schema problem.  :func:`describe` says "cannot connect" instead
 driver failed to open a connection.
 
 What the worker checks at start, and ``celery caps check`` too, is :func:`check_store`: a
-round trip of admission and release on a scratch slot, and what in the way the store is reached
-would break it (a PostgreSQL pooler with prepared statements on).
+round trip of admission and release on a scratch slot; on a SQL store, the isolation level its
+transactions run at, read inside one of each kind (admission needs READ COMMITTED on PostgreSQL
+and MySQL/MariaDB); and what in the way the store is reached would break it (a PostgreSQL
+pooler with prepared statements on).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from .errors import StoreError
 from .settings import StoreErrorPolicy
@@ -75,21 +78,39 @@ def describe(exc: StoreError) -> str:
 CHECK_SLOT_PREFIX = "celery-caps-check:"
 
 
+@runtime_checkable
+class ChecksIsolation(Protocol):
+    """A store whose transactions run at an isolation level (the SQL stores)."""
+
+    def check_isolation(self) -> tuple[str, list[str]]:
+        """The level its transactions run at, read inside one of each kind, as one line; and
+        what is wrong with it (empty if nothing).
+
+        Raises:
+            StoreError: the store cannot be reached.
+        """
+
+
 @dataclass(frozen=True)
 class CheckResult:
     """What :func:`check_store` found: the store's masked URL, the seconds its round trip took,
-    and what in the way it is reached would break it (empty if nothing)."""
+    what in the way it is reached would break it (empty if nothing), and the isolation level
+    its transactions run at (``READ COMMITTED`` on PostgreSQL and MySQL/MariaDB, ``SERIALIZABLE``
+    on SQLite; None for a store without transactions: memory, Redis)."""
 
     store: str
     seconds: float
     warnings: list[str]
+    isolation: str | None = None
 
 
 def check_store(store: SlotStore, holder: str, lease_seconds: float = 30.0) -> CheckResult:
     """Prove ``store`` works as admission needs it: prepare it (its schema), take a scratch slot
-    of limit 1, be refused a second run of it, give it back, prune it; then ask the store what
-    in the way it is reached would break it (:meth:`SlotStore.connection_warnings`).  The slot
-    is a fresh name under :data:`CHECK_SLOT_PREFIX`, pruned at the end, so it never counts
+    of limit 1, be refused a second run of it, give it back, prune it; read the isolation level
+    its transactions run at (:class:`ChecksIsolation`: a level other than the one admission
+    needs is a warning, naming the kinds of transaction that run at it); then ask the store
+    what in the way it is reached would break it (:meth:`SlotStore.connection_warnings`).  The
+    slot is a fresh name under :data:`CHECK_SLOT_PREFIX`, pruned at the end, so it never counts
     against a real cap.
 
     Raises:
@@ -115,7 +136,8 @@ def check_store(store: SlotStore, holder: str, lease_seconds: float = 30.0) -> C
         except StoreError:
             logger.debug("cleaning up the store check's slot failed", exc_info=True)
     seconds = time.monotonic() - started
-    return CheckResult(store.display_url, seconds, store.connection_warnings())
+    isolation, warnings = store.check_isolation() if isinstance(store, ChecksIsolation) else (None, [])
+    return CheckResult(store.display_url, seconds, [*warnings, *store.connection_warnings()], isolation)
 
 
 class StoreHealth:

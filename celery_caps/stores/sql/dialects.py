@@ -1,11 +1,16 @@
 """What differs between the databases the SQL store runs on, one small object each.
 
-PostgreSQL runs at READ COMMITTED; MySQL/MariaDB connections this store creates run at
-READ COMMITTED too (its default REPEATABLE READ would count with the snapshot of the
-transaction's first read, not after the locks), and name columns are ``VARBINARY`` so that
-MySQL's case- and pad-insensitive collations cannot merge two slot names; SQLite uses WAL, a
-busy timeout and ``BEGIN IMMEDIATE`` so that concurrent worker processes on one machine
-serialise their writes (it has no ``FOR UPDATE``: the write lock is held already).
+The store's transactions run at READ COMMITTED on PostgreSQL and MySQL/MariaDB, whatever the
+server's default (often REPEATABLE READ, per server, database or role): at REPEATABLE READ a
+count after a lock reads the snapshot of before the wait and grants a slot beyond its limit.
+Each connection gets it once, never a round trip per transaction: an engine built here asks
+for it at connect (on PostgreSQL also as the session's default, for statements in autocommit:
+:func:`read_committed_session`); an engine handed in is used through
+:func:`read_committed_engine`.  MySQL/MariaDB name columns are ``VARBINARY`` so that its case-
+and pad-insensitive collations cannot merge two slot names.  SQLite uses WAL, a busy timeout
+and ``BEGIN IMMEDIATE`` so that concurrent worker processes on one machine serialise their
+writes (it has no ``FOR UPDATE``: the write lock is held already; its transactions are
+serializable).
 """
 
 from __future__ import annotations
@@ -28,6 +33,15 @@ READ_ONLY_OPTION = "caps_read_only"
 
 #: The drivers the SQL store is tested with, by backend (a URL naming another is told about them).
 TESTED_DRIVERS = {"postgresql": "psycopg", "mysql": "pymysql", "mariadb": "pymysql", "sqlite": "pysqlite"}
+
+#: The isolation level admission needs on PostgreSQL and MySQL/MariaDB (as SQLAlchemy names it):
+#: each statement sees what committed before it began, so a count after a lock sees every
+#: competitor that committed while it waited.
+READ_COMMITTED = "READ COMMITTED"
+
+#: A pooled connection's ``info`` key: the session's default isolation once this package's
+#: connect listener set it (PostgreSQL with psycopg), upper case.
+SESSION_ISOLATION = "celery_caps_session_isolation"
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,16 @@ class Dialect:
     #: list bind then goes to it as its text, without SQLAlchemy compiling it on every call (most
     #: of SQLite's time per statement; see :meth:`.Statements.execute`).
     binds_as_written: bool = False
+    #: The isolation level the store's transactions must run at.
+    isolation: str = READ_COMMITTED
+    #: Reads the isolation level of the transaction it runs in (None: SQLAlchemy's dialect
+    #: reads it, as MySQL and MariaDB name the variable differently).
+    isolation_query: str | None = None
+    #: Reads the session's default isolation, which a statement in autocommit runs at (None:
+    #: single statements never run in autocommit).
+    session_isolation_query: str | None = None
+    #: Reads whether this session writes a binary log, and in which format (MySQL/MariaDB).
+    binlog_query: str | None = None
 
     def exact(self, value: str) -> str | bytes:
         """A value for a name column through SQLAlchemy Core: bytes for MySQL's ``VARBINARY``."""
@@ -82,6 +106,8 @@ POSTGRESQL = Dialect(
     for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
     cap_of_slot="split_part(slot, ':', 1)",
     autocommit_single_statements=True,
+    isolation_query="SHOW transaction_isolation",
+    session_isolation_query="SHOW default_transaction_isolation",
 )
 
 MYSQL = Dialect(
@@ -102,6 +128,7 @@ MYSQL = Dialect(
     for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
     cap_of_slot="SUBSTRING_INDEX(slot, ':', 1)",
     retryable_codes=frozenset({1213, 1205}),  # deadlock; lock wait timeout
+    binlog_query="SELECT @@log_bin, @@sql_log_bin, @@binlog_format",
 )
 
 SQLITE = Dialect(
@@ -122,6 +149,7 @@ SQLITE = Dialect(
     for_update_skip_locked="",
     cap_of_slot="substr(slot, 1, instr(slot, ':') - 1)",
     binds_as_written=True,
+    isolation="SERIALIZABLE",
 )
 
 _DIALECTS = {"postgresql": POSTGRESQL, "mysql": MYSQL, "mariadb": MYSQL, "sqlite": SQLITE}
@@ -194,8 +222,40 @@ def behind_pooler(dbapi_connection: Any) -> bool:
     return bool(row is not None and row[0] != dbapi_connection.info.backend_pid)
 
 
-def _prepare_unless_pooled(engine: Engine) -> None:
-    """Server-side prepared statements (psycopg's default) on a direct connection only.
+# One round trip, in autocommit (so that no transaction ends it): whether a pooler stands
+# between (see behind_pooler), and the session's default isolation after this statement, which
+# sets it on a server session that is this connection's alone.
+_READ_COMMITTED_SESSION = (
+    "SELECT pg_backend_pid() <> %(pid)s, CASE WHEN pg_backend_pid() = %(pid)s "
+    "THEN set_config('default_transaction_isolation', 'read committed', false) "
+    "ELSE current_setting('default_transaction_isolation') END"
+)
+
+
+def read_committed_session(dbapi_connection: Any) -> tuple[bool, str]:
+    """Make READ COMMITTED the default of this psycopg connection's server session, so that
+    statements in autocommit run at it too (they start no BEGIN that could name a level), in
+    one round trip; never through a connection pooler, which would hand the setting to other
+    clients' transactions (and, pooling transactions, run this connection's on sessions
+    without it).  Returns whether a pooler stands between, and the session's default
+    isolation now, upper case (``READ COMMITTED`` unless pooled on a server or role whose
+    default differs).  Leaves the connection outside any transaction."""
+    autocommit = dbapi_connection.autocommit
+    dbapi_connection.autocommit = True
+    try:
+        row = dbapi_connection.execute(
+            _READ_COMMITTED_SESSION, {"pid": dbapi_connection.info.backend_pid}, prepare=False
+        ).fetchone()
+    finally:
+        dbapi_connection.autocommit = autocommit
+    return bool(row[0]), str(row[1]).upper()
+
+
+def _configure_psycopg_sessions(engine: Engine, *, prepare: bool) -> None:
+    """Each new connection of ``engine``: READ COMMITTED as its session's default
+    (:func:`read_committed_session`, recorded in the pool's ``info`` under
+    :data:`SESSION_ISOLATION`); with ``prepare``, server-side prepared statements (psycopg's
+    default) on a direct connection only.
 
     A prepared statement lives in one server session, which a transaction pooler (PgBouncer's
     ``pool_mode = transaction``) hands to another client after each transaction: its name then
@@ -207,8 +267,12 @@ def _prepare_unless_pooled(engine: Engine) -> None:
     reported: list[bool] = []
 
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        if not behind_pooler(dbapi_connection):
+    def _on_connect(dbapi_connection: Any, record: Any) -> None:
+        pooled, isolation = read_committed_session(dbapi_connection)
+        record.info[SESSION_ISOLATION] = isolation
+        if not prepare:
+            return
+        if not pooled:
             dbapi_connection.prepare_threshold = DIRECT_PREPARE_THRESHOLD
         elif not reported:
             reported.append(True)
@@ -216,6 +280,21 @@ def _prepare_unless_pooled(engine: Engine) -> None:
                 "%s: connected through a connection pooler; server-side prepared statements are off",
                 engine.url.render_as_string(hide_password=True),
             )
+
+
+def read_committed_engine(engine: Engine, dialect: Dialect) -> Engine:
+    """``engine`` as the store runs its transactions on it: as it is where its connections start
+    at the level ``dialect`` needs (SQLite; an engine built by :func:`create_engine`; one
+    created with ``isolation_level="READ COMMITTED"``, or on a server whose default it is),
+    else a view of it whose transactions run at READ COMMITTED.  SQLAlchemy sets the level as
+    each connection is checked out and gives the engine's own back at check-in: on PostgreSQL
+    the driver puts it in the BEGIN it sends anyway; on MySQL/MariaDB it costs a statement each
+    way (create your engine with ``isolation_level="READ COMMITTED"`` to save them).  Known
+    once the engine has connected (``default_isolation_level``); before, the view."""
+    starts_at = getattr(engine.dialect, "default_isolation_level", None)
+    if dialect.isolation != READ_COMMITTED or starts_at == READ_COMMITTED:
+        return engine
+    return engine.execution_options(isolation_level=READ_COMMITTED)
 
 
 def create_engine(url: str) -> Engine:
@@ -234,8 +313,9 @@ def create_engine(url: str) -> Engine:
     options: dict[str, Any] = {"pool_reset_on_return": None}
     connect_args: dict[str, Any] = {}
     explicit = False
+    if backend in ("postgresql", "mysql", "mariadb"):
+        options["isolation_level"] = READ_COMMITTED  # set once per connection (the module docstring)
     if backend in ("mysql", "mariadb"):
-        options["isolation_level"] = "READ COMMITTED"
         options["pool_recycle"] = 3600
         if parsed.get_driver_name() == "pymysql":
             connect_args = dict(_MYSQL_CONNECT_ARGS)
@@ -268,8 +348,8 @@ def create_engine(url: str) -> Engine:
         raise ConfigurationError(f"caps_url {mask_url(url)!r}: {exc}") from exc
     if backend == "sqlite":
         _serialise_sqlite_writers(engine)
-    if backend == "postgresql" and parsed.get_driver_name() == "psycopg" and not explicit:
-        _prepare_unless_pooled(engine)
+    if backend == "postgresql" and parsed.get_driver_name() == "psycopg":
+        _configure_psycopg_sessions(engine, prepare=not explicit)
     return engine
 
 

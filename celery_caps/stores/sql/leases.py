@@ -26,8 +26,9 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from ...errors import StoreError
 from ..base import Admission, HistoryEvent, Lease, SlotStatus, SlotStore, mask_url, secret_parameter
-from .dialects import READ_ONLY_OPTION, create_engine, dialect_of
+from .dialects import READ_COMMITTED, READ_ONLY_OPTION, create_engine, dialect_of, read_committed_engine
 from .schema import MAX_TASK_NAME_LENGTH, TABLE_NAME, concurrency_slots_history, metadata
 from .statements import Statements, admission_params
 
@@ -72,13 +73,54 @@ class SQLLeaseStore(SlotStore):
         self._schema_ready = False
         # A pool process's warm-up thread and its first task may prepare at once: once is enough.
         self._prepare_lock = threading.Lock()
+        # Until the first use settles them (_settle_isolation): every kind in a transaction.
+        self._use_engines(autocommit=False)
+
+    def _use_engines(self, *, autocommit: bool) -> None:
+        """The engines each kind of transaction runs on: transactions at the isolation the dialect
+        needs (:func:`.read_committed_engine`); single statements in autocommit where the dialect
+        allows it and ``autocommit`` says the sessions' own default is that level (a statement
+        in autocommit runs at it: it has no BEGIN to name another), else as transactions; reads
+        alone the same way, marked as such (SQLite begins them deferred: in WAL a reader never
+        takes the write lock)."""
+        self._transaction_engine = read_committed_engine(self._engine, self.dialect)
         self._single_statement_engine = (
             self._engine.execution_options(isolation_level="AUTOCOMMIT")
-            if self.dialect.autocommit_single_statements
-            else self._engine
+            if autocommit and self.dialect.autocommit_single_statements
+            else self._transaction_engine
         )
-        # Reads alone: SQLite begins them deferred (in WAL a reader never takes the write lock).
         self._read_engine = self._single_statement_engine.execution_options(**{READ_ONLY_OPTION: True})
+
+    def _settle_isolation(self, connection: Connection) -> None:
+        """First use, on a connection of the engine (so its sessions' level is known): choose the
+        engines (:meth:`_use_engines`) by what its sessions start with; on MySQL/MariaDB, refuse
+        a server whose binary log refuses every write at READ COMMITTED.
+
+        Raises:
+            StoreError: binary logging is on in ``binlog_format=STATEMENT``.
+        """
+        dialect = self.dialect
+        session_default = None
+        if dialect.session_isolation_query is not None:
+            session_default = str(connection.exec_driver_sql(dialect.session_isolation_query).scalar()).upper()
+        self._use_engines(autocommit=session_default == READ_COMMITTED)
+        if dialect.name == "mysql" and self._transaction_engine is not self._engine:
+            logger.info(
+                "%s: the engine handed in starts its sessions at %s: the store sets READ COMMITTED as it takes a "
+                "connection and gives the engine's level back as it returns it (two statements each way, each "
+                'transaction); create the engine with isolation_level="READ COMMITTED" to save them',
+                self.display_url,
+                getattr(self._engine.dialect, "default_isolation_level", None),
+            )
+        if dialect.binlog_query is not None:
+            log_bin, sql_log_bin, binlog_format = connection.exec_driver_sql(dialect.binlog_query).one()
+            if int(log_bin) and int(sql_log_bin) and str(binlog_format).upper() == "STATEMENT":
+                raise StoreError(
+                    f"{self.display_url}: binary logging is on with binlog_format=STATEMENT, which refuses every "
+                    "write of a transaction at READ COMMITTED (error 1665), the isolation the store needs; set "
+                    "binlog_format=ROW (or MIXED) on the server (SET GLOBAL binlog_format = 'ROW', and in its "
+                    "configuration file)"
+                )
 
     @property
     def engine(self) -> Engine:
@@ -136,11 +178,18 @@ class SQLLeaseStore(SlotStore):
         return statements
 
     def _prepare(self) -> None:
-        """First use in this process: create the schema if asked."""
+        """First use in this process: create the schema if asked; settle the isolation
+        (:meth:`_settle_isolation`)."""
         with self._prepare_lock:
             if not self._schema_ready:
                 if self._create_schema:
                     self.create_schema()
+                if self.dialect.isolation == READ_COMMITTED:
+                    try:
+                        with self._engine.connect() as connection:
+                            self._settle_isolation(connection)
+                    except sa.exc.SQLAlchemyError as exc:
+                        raise self.store_error("checking the isolation", exc) from exc
                 self._schema_ready = True
 
     def _transaction(
@@ -159,7 +208,7 @@ class SQLLeaseStore(SlotStore):
                         result = work(connection)
                         connection.commit()  # a no-op in autocommit; ends SQLite/MySQL transactions
                         return result
-                with self._engine.begin() as connection:
+                with self._transaction_engine.begin() as connection:
                     return work(connection)
             except sa.exc.DBAPIError as exc:
                 code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
@@ -419,6 +468,38 @@ class SQLLeaseStore(SlotStore):
 
         return self._transaction(read, read_only=True)
 
+    # -- isolation --------------------------------------------------------------------------
+
+    def check_isolation(self) -> tuple[str, list[str]]:
+        """The isolation level the store's transactions run at, read in one of each kind
+        (:meth:`isolation_levels`), and what is wrong with it (empty if nothing): for the
+        start-up check (:func:`celery_caps.health.check_store`).
+
+        Raises:
+            StoreError: the store cannot be reached.
+        """
+        try:
+            levels = self.isolation_levels()
+        except self.driver_errors as exc:
+            raise self.store_error("reading the isolation level", exc) from exc
+        return isolation_report(levels, self.dialect.isolation, self.display_url)
+
+    def isolation_levels(self) -> dict[str, str]:
+        """The isolation level of a transaction of each kind the store runs, read inside it, by
+        kind (upper case, as SQLAlchemy names them)."""
+        return {
+            "transactions": self._transaction(self._isolation_of),
+            "single statements": self._transaction(self._isolation_of, single_statement=True),
+            "reads": self._transaction(self._isolation_of, read_only=True),
+        }
+
+    def _isolation_of(self, connection: Connection) -> str:
+        """The isolation level of the transaction ``connection`` is in."""
+        if self.dialect.isolation_query is not None:
+            return str(connection.exec_driver_sql(self.dialect.isolation_query).scalar()).upper()
+        dbapi_connection = connection.connection.dbapi_connection
+        return str(self._engine.dialect.get_isolation_level(dbapi_connection)).upper()  # type: ignore[arg-type]
+
     # -- life cycle ---------------------------------------------------------------------------
 
     def warm_up(self, threads: int = 1, renewals: bool = False) -> None:
@@ -435,6 +516,26 @@ class SQLLeaseStore(SlotStore):
     def close(self) -> None:
         if self._owns_engine:
             self._engine.dispose()
+
+
+def isolation_report(levels: Mapping[str, str], needed: str, store: str) -> tuple[str, list[str]]:
+    """``levels`` (isolation by kind of transaction) as one line, and a problem for each level
+    that is not ``needed``, naming the kinds that run at it."""
+    kinds: dict[str, list[str]] = {}
+    for kind, level in levels.items():
+        kinds.setdefault(level, []).append(kind)
+    if list(kinds) == [needed]:
+        return needed, []
+    line = "; ".join(f"{level} ({', '.join(names)})" for level, names in kinds.items())
+    problems = [
+        f"{store}: the store's {' and '.join(names)} run at {level}, not {needed}, so admission can grant a "
+        "slot beyond its limit (a count after a lock reads a snapshot from before the wait); something "
+        "overrides the level the store sets on each connection: an event or option of the engine handed to "
+        "it, or a proxy in between. Remove it, or give the store an engine of its own (caps_url as a URL)"
+        for level, names in kinds.items()
+        if level != needed
+    ]
+    return line, problems
 
 
 def _cut(task_name: str | None) -> str | None:

@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from ..base import Admission, ClaimOutcome, ParkOutcome, ParkRequest, Woken
-from .dialects import behind_pooler
+from .dialects import READ_COMMITTED, SESSION_ISOLATION, behind_pooler, read_committed_session
 from .leases import _cut
 from .schema import SCHEMA_VERSION
 from .statements import POSTGRESQL_CALLS
@@ -97,7 +97,12 @@ _INHERITED: list[Any] = []
 
 
 class DriverPool:
-    """psycopg connections in autocommit for the hot path, each checked out for one call.
+    """psycopg connections in autocommit for the hot path, each checked out for one call, their
+    sessions' default isolation READ COMMITTED (set as each is opened, with the check for a
+    pooler it makes anyway: :func:`.read_committed_session`).  Through a connection pooler the
+    session's default cannot be set (it would reach other clients' sessions): on a server
+    whose default is another level, each call there runs in a transaction of its own at READ
+    COMMITTED (two more round trips, said once at WARNING).
 
     A process opens connections as its threads call at once, up to ``limit`` (None: no limit;
     a call beyond it waits for one, at most :data:`LIMIT_WAIT_SECONDS`), and closes each once
@@ -137,6 +142,7 @@ class DriverPool:
         # The reaper thread while it runs (it clears this itself, under the lock, as it ends).
         self._reaper: threading.Thread | None = None
         self._closed = threading.Event()
+        self._said_per_call = False
 
     def execute(self, sql: str, params: Mapping[str, Any], *, fetch: bool = True) -> tuple[list[tuple[Any, ...]], int]:
         """Run ``sql`` (``%(name)s`` parameters): its rows (``fetch``: a statement that returns
@@ -150,6 +156,8 @@ class DriverPool:
         connection, cursor = self._checkout()
         try:
             results = _results(cursor.execute(sql, params), fetch)
+            if not connection.autocommit:  # (a pooled session at another level: see the class)
+                connection.commit()
         except BaseException:
             self._close(connection)
             raise
@@ -207,14 +215,36 @@ class DriverPool:
         try:
             fairy = self._engine.raw_connection()
             connection: psycopg.Connection[Any] = fairy.driver_connection  # type: ignore[assignment]
+            # Set when the engine (one built by this package) opened it; else set here.
+            isolation = fairy.info.get(SESSION_ISOLATION)
             fairy.detach()  # ours now: the engine's pool forgets it (and its slot)
             connection.autocommit = True
+            if isolation is None:
+                _pooled, isolation = read_committed_session(connection)
+            if isolation != READ_COMMITTED:
+                self._transaction_per_call(connection, isolation)
         except BaseException:
             with self._lock:
                 self.open -= 1
                 self._notify()
             raise
         return connection
+
+    def _transaction_per_call(self, connection: psycopg.Connection[Any], isolation: str) -> None:
+        """``connection``'s session runs at ``isolation`` by default: its calls run in transactions
+        of their own at READ COMMITTED instead (psycopg names the level in the BEGIN it sends)."""
+        connection.autocommit = False
+        connection.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        if not self._said_per_call:
+            self._said_per_call = True
+            logger.warning(
+                "%s: sessions reached through a connection pooler default to %s, not READ COMMITTED: each store "
+                "call runs in a transaction of its own at READ COMMITTED (two more round trips); set "
+                "default_transaction_isolation = 'read committed' for the role or the database (ALTER ROLE ... "
+                "IN DATABASE ... SET) to save them",
+                self._engine.url.render_as_string(hide_password=True),
+                isolation,
+            )
 
     def _close_oldest_idle(self) -> None:
         with self._lock:
@@ -313,7 +343,8 @@ class DriverPool:
         with self._lock:
             self._rehearsing += 1
         try:
-            connection.execute("BEGIN")
+            if connection.autocommit:  # (else psycopg begins one itself)
+                connection.execute("BEGIN")
             yield
             connection.execute("ROLLBACK")
         except BaseException:
@@ -415,6 +446,7 @@ class PostgreSQLStore(SQLStore):
             try:
                 with self._engine.connect() as connection:
                     version, digest = self._installed_functions(connection)
+                    self._settle_isolation(connection)
             except sa.exc.SQLAlchemyError as exc:
                 raise self.store_error("checking the schema", exc) from exc
             self.functions = (version, digest) == (SCHEMA_VERSION, functions_digest())
@@ -598,6 +630,14 @@ class PostgreSQLStore(SQLStore):
                 self.claim(waiter.task_id, waiter.run_id, holder, lease)
             self.claim(other_task, other_run, holder, lease)
             self.release_and_wake(waiter.run_id, lease)
+
+    def isolation_levels(self) -> dict[str, str]:
+        """The portable store's kinds, and the calls of the functions (the hot path)."""
+        levels = super().isolation_levels()
+        if self._ready():
+            rows, _ = self.pool.execute("SHOW transaction_isolation", {})
+            levels["function calls"] = str(rows[0][0]).upper()
+        return levels
 
     def connection_warnings(self) -> list[str]:
         """A connection pooler between the store and PostgreSQL with server-side prepared
