@@ -14,6 +14,7 @@ check (``celery caps check``) reports.  A private MariaDB with its binary log in
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import socket
 import subprocess
@@ -277,17 +278,25 @@ def test_the_store_check_fails_loudly_when_an_engine_overrides_the_level(repeata
 
 
 @pytest.mark.pgbouncer
-def test_through_a_transaction_pooler_a_repeatable_read_database_never_admits_two() -> None:
-    # Given a REPEATABLE READ database reached through PgBouncer in transaction pooling, where no
-    # session setting of a client lasts beyond its transaction
-    pooler = sa.engine.make_url(require_service("pgbouncer-tx")).set(query={})
-    with repeatable_read_database(pooler) as url:
+@pytest.mark.parametrize("pooler_service", ["pgbouncer-tx", "pgbouncer-session"])
+def test_through_a_pooler_a_repeatable_read_database_never_admits_two(
+    pooler_service: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a REPEATABLE READ database reached through PgBouncer (in transaction pooling, no session
+    # setting of a client lasts beyond its transaction)
+    pooler = sa.engine.make_url(require_service(pooler_service)).set(query={})
+    with repeatable_read_database(pooler) as url, caplog.at_level(logging.WARNING, "celery_caps"):
         assert session_default(url) == "repeatable read"
         with racers(lambda _number: store_from_url(url)) as stores:
             assert_one_holder_per_round(race_for_the_last_slot(stores))
             assert_checked_at_read_committed(stores[0])
         # and the sessions other clients get from the pooler keep their own default
         assert session_default(url) == "repeatable read"
+    # and each store said once what it costs, and how to save it
+    said = [record.getMessage() for record in caplog.records if "a transaction of its own" in record.getMessage()]
+    assert len(said) == RACERS
+    assert "default to REPEATABLE READ" in said[0]
+    assert "default_transaction_isolation = 'read committed' for the role or the database" in said[0]
 
 
 # -- MySQL/MariaDB ---------------------------------------------------------------------------
