@@ -321,9 +321,10 @@ def check(ctx: click.Context) -> None:
         result = check_store(operator.store, f"celery-caps-check/{holder_name(None, None)}")
     except StoreError as exc:
         raise click.ClickException(one_line(describe(exc))) from exc
+    isolation = f"; transactions at {result.isolation}" if result.isolation else ""
     click.echo(
         f"{click.style('ok', fg='green')}: {result.store}: a scratch slot taken, refused to a second run and "
-        f"given back in {result.seconds * 1000:.0f} ms"
+        f"given back in {result.seconds * 1000:.0f} ms{isolation}"
     )
     if result.warnings:
         for warning in result.warnings:

@@ -30,7 +30,7 @@ from celery_caps.cli import caps, duration, parse_duration
 from celery_caps.messages import encode_payload, wake_queue_name
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import DISPATCH_HOLDER, HistoryEvent, ParkingStore, ParkOutcome, ParkRequest, SlotStore
-from celery_caps.stores.sql import SCHEMA_VERSION
+from celery_caps.stores.sql import SCHEMA_VERSION, SQLStore
 from celery_caps.stores.sql.postgresql import PostgreSQLStore
 from tests.services import own_status, private_sql_url
 
@@ -773,6 +773,10 @@ def test_check_takes_a_scratch_slot_and_says_the_store_works(app: Celery, store:
     assert result.exit_code == 0, result.output
     [line] = result.output.strip().splitlines()
     assert line.startswith(f"ok: {store.display_url}: a scratch slot taken, refused to a second run and given back")
+    # ... and, on a store with transactions, the isolation they run at (admission needs READ COMMITTED)
+    if isinstance(store, SQLStore):
+        expected = "SERIALIZABLE" if store.engine.dialect.name == "sqlite" else "READ COMMITTED"
+        assert line.endswith(f"; transactions at {expected}"), line
 
 
 @pytest.mark.postgres
