@@ -91,3 +91,27 @@ def test_the_shared_cap_counts_both_deployments(production: SlotStore, staging: 
     admit(production, {slot: 2}, f"{prefix}production-run")
     admit(staging, {slot: 2}, f"{prefix}staging-run")
     assert park(production, {slot: 2}, f"{prefix}third", 1.0) == ParkOutcome.PARKED
+
+
+@pytest.mark.parametrize(
+    "service", [pytest.param("postgres", marks=pytest.mark.postgres), pytest.param("mysql", marks=pytest.mark.mysql)]
+)
+def test_deployments_that_keep_apart_use_a_schema_or_a_database_of_their_own(service: str) -> None:
+    # Staging and production with their own PostgreSQL schema (search_path in caps_url) or MySQL
+    # database, on one server: nothing of one is seen by the other, the PostgreSQL functions
+    # included (created in each schema).
+    from celery_caps.stores import store_from_url
+    from tests.services import private_sql_url
+
+    with private_sql_url(service) as staging_url, private_sql_url(service) as production_url:
+        staging, production = store_from_url(staging_url), store_from_url(production_url)
+        try:
+            admit(staging, {"quota": 1}, "staging-task")
+            admit(production, {"quota": 1}, "production-task")  # the same cap name, full in staging
+            assert [lease.task_id for lease in staging.leases()] == ["staging-task"]
+            assert [lease.task_id for lease in production.leases()] == ["production-task"]
+            assert park(production, {"quota": 1}, "production-waiter", 1.0) == ParkOutcome.PARKED
+            assert staging.waiters() == []
+        finally:
+            staging.close()
+            production.close()
