@@ -32,7 +32,12 @@ includes its wait.
 
 The fleet gauges: ``celery_caps_store_up``, ``celery_caps_slots_held``,
 ``celery_caps_slot_limit``, ``celery_caps_keys``, ``celery_caps_expired_leases``,
-``celery_caps_waiting_tasks`` (park: tasks in the waiting list, not yet woken).
+``celery_caps_waiting_tasks`` (park: tasks in the waiting list, not yet woken), each of
+the caps the worker's app declares only: another app sharing the store is not shown.
+
+The endpoint has no authentication, and listens on every interface by default
+(``caps_metrics_address`` ``0.0.0.0``): whoever reaches the port reads the app's cap names
+and counts.  Bind it to a private address, or keep the port behind a firewall.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any, ClassVar
 
 from .errors import ConfigurationError, MissingDependencyError, StoreError
@@ -256,14 +261,22 @@ def mark_process_dead(pid: int) -> None:
 
 
 class FleetCollector:
-    """Gauges of the whole fleet, read from the store at scrape time (cached briefly).
+    """Gauges of the whole fleet, read from the store at scrape time (cached briefly), for the
+    caps ``caps()`` names (the app's: slot names equal to a cap name or starting with it and
+    ``:``); other apps sharing the store stay out of the endpoint.  ``caps`` None: every cap.
 
     Also logs a warning when a cap's number of keys goes above
     ``key_warning_threshold`` (once per crossing, per process).
     """
 
-    def __init__(self, store: Callable[[], SlotStore], key_warning_threshold: int) -> None:
+    def __init__(
+        self,
+        store: Callable[[], SlotStore],
+        key_warning_threshold: int,
+        caps: Callable[[], Collection[str]] | None = None,
+    ) -> None:
         self._store = store
+        self._caps = caps
         self._threshold = key_warning_threshold
         self._lock = threading.Lock()
         self._cached: tuple[float, list[SlotStatus], dict[str, int] | None] | None = None
@@ -275,7 +288,13 @@ class FleetCollector:
             now = time.monotonic()
             if self._cached is None or now - self._cached[0] > STATUS_CACHE_SECONDS:
                 store = self._store()
-                self._cached = (now, store.status(), _waiting_per_cap(store))
+                statuses, waiting = store.status(), _waiting_per_cap(store)
+                if self._caps is not None:
+                    own = set(self._caps())
+                    statuses = [status for status in statuses if cap_of(status.slot) in own]
+                    if waiting is not None:
+                        waiting = {cap: count for cap, count in waiting.items() if cap in own}
+                self._cached = (now, statuses, waiting)
             return self._cached[1], self._cached[2]
 
     def collect(self) -> Iterator[Any]:
@@ -345,8 +364,11 @@ def _waiting_per_cap(store: SlotStore) -> dict[str, int] | None:
     return {cap: len(task_ids) for cap, task_ids in tasks.items()}
 
 
-def registry_for(store: Callable[[], SlotStore], key_warning_threshold: int) -> Any:
-    """A registry of every process's counters (multiprocess mode) plus the fleet gauges."""
+def registry_for(
+    store: Callable[[], SlotStore], key_warning_threshold: int, caps: Callable[[], Collection[str]] | None = None
+) -> Any:
+    """A registry of every process's counters (multiprocess mode) plus the fleet gauges of
+    ``caps`` (see :class:`FleetCollector`)."""
     client = _prometheus()
     from prometheus_client import multiprocess
 
@@ -359,16 +381,25 @@ def registry_for(store: Callable[[], SlotStore], key_warning_threshold: int) -> 
             registry.register(metric)
         for metric in (instruments.renewals, instruments.losses, instruments.wait):
             registry.register(metric)
-    registry.register(FleetCollector(store, key_warning_threshold))
+    registry.register(FleetCollector(store, key_warning_threshold, caps))
     return registry
 
 
-def serve(port: int, address: str, store: Callable[[], SlotStore], key_warning_threshold: int) -> Any:
-    """Start the ``/metrics`` endpoint in a daemon thread; returns the server (``shutdown()`` stops it)."""
+def serve(
+    port: int,
+    address: str,
+    store: Callable[[], SlotStore],
+    key_warning_threshold: int,
+    caps: Callable[[], Collection[str]] | None = None,
+) -> Any:
+    """Start the ``/metrics`` endpoint in a daemon thread; returns the server (``shutdown()`` stops it).
+
+    It has no authentication: it answers whoever reaches ``address`` (``0.0.0.0``: every
+    interface).  Its fleet gauges name only ``caps`` (the worker passes its app's)."""
     client = _prometheus()
     try:
         server, _thread = client.start_http_server(
-            port, addr=address, registry=registry_for(store, key_warning_threshold)
+            port, addr=address, registry=registry_for(store, key_warning_threshold, caps)
         )
     except OSError as exc:
         raise ConfigurationError(f"caps_metrics_port: cannot listen on {address}:{port} ({exc})") from exc

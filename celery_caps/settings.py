@@ -36,6 +36,8 @@ DEFAULTS: dict[str, Any] = {
     "caps_create_schema": True,
     "caps_redis_key_prefix": "caps",  # the Redis store's keys; a hash tag is added on Redis Cluster
     "caps_redis_master_name": None,  # Redis Sentinel: the master of sentinel:// or of a Sentinel object
+    # Run on a Redis whose maxmemory-policy may evict any key (allkeys-*), with a warning, rather than refuse it.
+    "caps_redis_allow_eviction": False,
     "caps_history_seconds": None,  # None: no history (explain and timeline see only the present)
     "caps_history_max_events": 10000,
     "caps_metrics_port": None,  # None: no metrics endpoint (also: celery worker --caps-metrics-port)
@@ -150,13 +152,19 @@ class CapsSettings:
     parking: ParkingSettings = field(default_factory=ParkingSettings)
     redis_key_prefix: str = "caps"
     redis_master_name: str | None = None
+    redis_allow_eviction: bool = False
 
     @property
     def store_options(self) -> StoreOptions:
         """The settings a store is built with besides ``caps_url``."""
         from .stores import StoreOptions
 
-        return StoreOptions(self.create_schema, self.redis_key_prefix, self.redis_master_name)
+        return StoreOptions(
+            self.create_schema,
+            self.redis_key_prefix,
+            self.redis_master_name,
+            redis_allow_eviction=self.redis_allow_eviction,
+        )
 
     @property
     def renew_seconds(self) -> float:
@@ -232,6 +240,7 @@ class CapsSettings:
             parking=ParkingSettings.from_conf(conf),
             redis_key_prefix=key_prefix,
             redis_master_name=master_name,
+            redis_allow_eviction=_flag(conf, "caps_redis_allow_eviction"),
         )
 
     def require_url(self) -> Any:

@@ -275,7 +275,8 @@ class StoreCheck(threading.Thread):
 
 class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Refuses to start a worker whose app has capped tasks but no usable caps settings, or
-    tasks given ``cap=`` without ``base=CappedTask``; checks the store (:class:`StoreCheck`);
+    tasks given ``cap=`` without ``base=CappedTask``, or a store on a Redis that may evict its
+    keys (``maxmemory-policy allkeys-*``); checks the store (:class:`StoreCheck`);
     serves the metrics endpoint (``caps_metrics_port``, ``--caps-metrics-port``); runs
     :class:`Recovery` when the store keeps a waiting list."""
 
@@ -306,6 +307,7 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         store = store_from_url(url, settings.store_options)
         display = getattr(store, "display_url", type(store).__name__)
         handover.check_store(app, store)
+        _refuse_evicting_server(store)
         from .stores.memory import MemoryStore
 
         if isinstance(store, MemoryStore):
@@ -346,11 +348,13 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         from . import metrics
 
         settings = runtime.settings
+        app = worker.app
         self._metrics_server = metrics.serve(
             settings.metrics_port,  # type: ignore[arg-type]
             settings.metrics_address,
             lambda: runtime.store,
             settings.key_warning_threshold,
+            caps=lambda: caps_of(app),
         )
 
     def stop(self, worker: Any) -> None:
@@ -364,6 +368,27 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
             self._metrics_server = None
+
+
+def _refuse_evicting_server(store: Any) -> None:
+    """Raise :class:`ConfigurationError` if the store's server may evict its keys (a Redis with
+    ``maxmemory-policy allkeys-*``, unless ``caps_redis_allow_eviction``); its warnings are
+    reported by the store check (:class:`StoreCheck`), and an unreachable store too."""
+    check_eviction = getattr(store, "check_eviction", None)  # the Redis store's
+    if check_eviction is None:
+        return
+    try:
+        check_eviction()
+    except StoreError:
+        return
+    except ConfigurationError:
+        store.close()
+        raise
+
+
+def caps_of(app: Celery) -> set[str]:
+    """The names of the caps ``app``'s registered tasks declare."""
+    return {cap.name for task in list(app.tasks.values()) for cap in getattr(task, "_caps", ())}
 
 
 #: Set on an app once :func:`install` has run.

@@ -28,6 +28,9 @@ class StoreOptions:
     #: ``caps_redis_master_name``: the Sentinel master of a ``sentinel://`` URL without
     #: ``?master_name=``, or of a ``redis.sentinel.Sentinel`` object.
     redis_master_name: str | None = None
+    #: ``caps_redis_allow_eviction``: run the Redis store on a server whose ``maxmemory-policy`` may
+    #: evict any key (``allkeys-*``), with a warning, rather than refuse it.
+    redis_allow_eviction: bool = False
 
 
 #: Builds a store from ``caps_url`` (a URL or a ready object) and the store settings.
@@ -100,7 +103,12 @@ def _redis_store(target: Any, options: StoreOptions) -> SlotStore:
         raise MissingDependencyError(
             f'the Redis store needs redis-py: pip install "celery-caps[redis]" ({exc})'
         ) from exc
-    return RedisStore(target, key_prefix=options.redis_key_prefix, master_name=options.redis_master_name)
+    return RedisStore(
+        target,
+        key_prefix=options.redis_key_prefix,
+        master_name=options.redis_master_name,
+        allow_eviction=options.redis_allow_eviction,
+    )
 
 
 register_store("memory", _memory_store)

@@ -117,6 +117,16 @@ Runs then find their leases gone at the next renewal (reported lost), and
 admission starts afresh; parked tasks are lost (their original messages were
 acknowledged when they parked), so run Redis with persistence (AOF) when you park
 on it.
+
+Nor may Redis evict the store's keys.  Under ``maxmemory-policy allkeys-*`` a Redis short of
+memory evicts any key: a lease's (a second task then takes a slot its holder still has) or a
+waiting list's (its parked tasks are lost).  The store refuses such a server when it is first
+used (:meth:`RedisStore.check_eviction`), on every primary it writes to, unless it is built with
+``allow_eviction`` (``caps_redis_allow_eviction``).  Under ``volatile-*`` only keys with a TTL
+go, and of the store's keys only tombstones have one: a tombstone evicted early lets a stale
+copy of a woken task run it again, which the store warns about
+(:meth:`RedisStore.connection_warnings`).  ``noeviction`` is safe: a full Redis refuses writes,
+and the store's calls fail with :class:`~celery_caps.errors.StoreError` until it has room.
 """
 
 from __future__ import annotations
@@ -148,7 +158,7 @@ from .base import (
     Waiter,
     Woken,
 )
-from .redis_clients import RedisTarget, hash_tagged, target_from_client, target_from_url
+from .redis_clients import RedisTarget, hash_tagged, primary_infos, target_from_client, target_from_url
 
 #: Slot names read per HSCAN call, and per status script, by the reads of every slot name.
 SCAN_BATCH = 500
@@ -161,6 +171,19 @@ _CLAIM_OUTCOMES = {outcome.value.encode(): outcome for outcome in ClaimOutcome}
 _USE_CLUSTER_URL = (
     "set caps_url to redis+cluster://host:port[,host:port...] (or pass a redis.cluster.RedisCluster), "
     "which puts every key of the store under one hash tag"
+)
+#: The ``maxmemory-policy`` under which Redis evicts none of the store's keys, and the prefixes of
+#: the policies under which it may evict any key, or any key with a TTL (a tombstone).
+SAFE_EVICTION_POLICY = "noeviction"
+EVICTS_ANY_KEY = "allkeys-"
+EVICTS_KEYS_WITH_TTL = "volatile-"
+_EVICTS_ANY_KEY_RISK = (
+    "any of the store's keys may go: an evicted lease lets a second task take a slot its holder still has (a cap "
+    "is exceeded), an evicted waiting list loses its parked tasks"
+)
+_NO_EVICTION_FIX = (
+    f"set maxmemory-policy {SAFE_EVICTION_POLICY} there (CONFIG SET maxmemory-policy {SAFE_EVICTION_POLICY}, "
+    "and in its redis.conf), or give the store a Redis of its own that evicts nothing"
 )
 
 
@@ -222,11 +245,17 @@ class RedisStore(ParkingStore):
             script's keys, lands in one hash slot.
         master_name: The Sentinel master's name, for a ``sentinel://`` URL without a
             ``master_name`` parameter, or a ``Sentinel`` object.
+        allow_eviction: Run on a Redis whose ``maxmemory-policy`` may evict any key
+            (``allkeys-*``), with a warning, rather than refuse it
+            (``caps_redis_allow_eviction``; see the module docstring).
 
     The client is created on first use: a cluster client contacts the cluster as it
     is created, and a failure there is a :class:`~celery_caps.errors.StoreError` of
     the operation like any other (the task is put back), not an error of building
-    the store.
+    the store.  The first use also reads the eviction policy of every primary: one
+    that may evict any key is refused (:meth:`check_eviction`), with a
+    :class:`~celery_caps.errors.StoreError` naming the setting, on every call until
+    the policy is changed.
     """
 
     # OSError: redis-py wraps socket errors as a rule, but not on every path.
@@ -235,8 +264,15 @@ class RedisStore(ParkingStore):
     driver_errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
     def __init__(
-        self, target: str | redis.Redis | Any, *, key_prefix: str = "caps", master_name: str | None = None
+        self,
+        target: str | redis.Redis | Any,
+        *,
+        key_prefix: str = "caps",
+        master_name: str | None = None,
+        allow_eviction: bool = False,
     ) -> None:
+        if not isinstance(allow_eviction, bool):
+            raise ConfigurationError(f"caps_redis_allow_eviction must be True or False, got {allow_eviction!r}")
         if not isinstance(key_prefix, str) or not key_prefix:
             raise ConfigurationError(f"the Redis key prefix must be a non-empty string, got {key_prefix!r}")
         if master_name is not None and (not isinstance(master_name, str) or not master_name):
@@ -250,6 +286,10 @@ class RedisStore(ParkingStore):
         self._owns_client = self._target.owned
         self._client_instance: Any = None
         self._client_lock = threading.Lock()
+        #: Run on a server that may evict any key (with a warning) rather than refuse it.
+        self.allow_eviction = allow_eviction
+        #: Whether the server's eviction policy was read and accepted (on first use).
+        self._server_accepted = False
         if self._target.cluster:
             key_prefix = hash_tagged(key_prefix)
         #: The prefix of every key, with the hash tag added on Redis Cluster.
@@ -290,16 +330,27 @@ class RedisStore(ParkingStore):
     @property
     def client(self) -> Any:
         """The redis-py client the store runs on (a ``redis.Redis`` or a ``RedisCluster``),
-        created on first use."""
-        return self._client
+        created on first use (without the check of :meth:`check_eviction`)."""
+        return self._connect()
 
-    @property
-    def _client(self) -> Any:
+    def _connect(self) -> Any:
         if self._client_instance is None:
             with self._client_lock:  # the task thread and the lease keeper may both be first
                 if self._client_instance is None:
                     self._client_instance = self._target.connect()
         return self._client_instance
+
+    @property
+    def _client(self) -> Any:
+        """The client, for the store's own calls: the first one checks the server's eviction policy."""
+        client = self._connect()
+        if not self._server_accepted:
+            refusal, _warnings = self._eviction_findings(client)
+            if refusal is not None:
+                # A StoreError: the task waits (caps_on_store_error) until the policy is fixed.
+                raise StoreError(refusal)
+            self._server_accepted = True
+        return client
 
     def __repr__(self) -> str:
         return f"<RedisStore {self._display_url} key_prefix={self.key_prefix!r}>"
@@ -366,20 +417,88 @@ class RedisStore(ParkingStore):
     def durability_warning(self) -> str | None:
         """A warning when the server keeps no append-only file: its waiting lists live in
         memory, and a restart (or a failover to a replica behind it) loses every parked task."""
-        if self._target.cluster:
-            # One reply per primary: every shard must keep one.
-            replies = self._client.info("persistence", target_nodes=redis.cluster.RedisCluster.PRIMARIES)
-            one_server = not isinstance(replies, dict) or "aof_enabled" in replies
-            servers = [replies] if one_server else list(replies.values())
-        else:
-            servers = [self._client.info("persistence")]
-        if all(str(server.get("aof_enabled", "0")) == "1" for server in servers):
+        # On a cluster, every primary must keep one.
+        servers = primary_infos(self._client, self._target.cluster, "persistence", self._display_url)
+        if all(str(info.get("aof_enabled", "0")) == "1" for _where, info in servers):
             return None
         return (
             f"the Redis server at {self._display_url} keeps no append-only file (appendonly no): a restart "
             "loses every task waiting in its lists, which no broker holds. Turn appendonly on (appendfsync "
             "everysec loses at most a second), or choose caps_strategy='backoff', whose waiting tasks stay in "
             "the broker."
+        )
+
+    def check_eviction(self) -> list[str]:
+        """Read ``maxmemory-policy`` on every primary the store writes to (the server, Sentinel's
+        current master, each primary of a cluster), as the store's first use does, for the
+        worker's start-up step to refuse what it must.
+
+        Returns:
+            Warnings: a ``volatile-*`` policy (a tombstone evicted early lets a stale copy of a
+            woken task run it again), an ``allkeys-*`` policy the store runs on by
+            ``allow_eviction``, a policy that cannot be read or is unknown.
+
+        Raises:
+            ConfigurationError: a primary may evict any key (``allkeys-*``) and
+                ``allow_eviction`` is off; the message names the setting and the fix.
+            StoreError: the server cannot be reached.
+        """
+        try:
+            refusal, warnings = self._eviction_findings(self._connect())
+        except self.driver_errors as exc:
+            raise self.store_error("reading maxmemory-policy", exc) from exc
+        if refusal is not None:
+            raise ConfigurationError(refusal)
+        return warnings
+
+    def connection_warnings(self) -> list[str]:
+        """What the eviction policy of the servers risks (see :meth:`check_eviction`); a policy
+        that would be refused now (changed since the first use) is reported here too."""
+        refusal, warnings = self._eviction_findings(self._client)
+        return [refusal] if refusal is not None else warnings
+
+    def _eviction_findings(self, client: Any) -> tuple[str | None, list[str]]:
+        """The refusal (None if none) and the warnings of the servers' ``maxmemory-policy``."""
+        try:
+            servers = primary_infos(client, self._target.cluster, "memory", self._display_url)
+        except redis.exceptions.ResponseError as exc:  # INFO not allowed to this user, or renamed away
+            return None, [self._eviction_unknown(self._display_url, f"INFO memory failed: {exc}")]
+        by_policy: dict[str, list[str]] = {}
+        for where, info in servers:
+            by_policy.setdefault(str(info.get("maxmemory_policy", "")), []).append(where)
+        refused, warnings = [], []
+        for policy, places in sorted(by_policy.items()):
+            at = f"the Redis server at {', '.join(places)}"
+            if policy == SAFE_EVICTION_POLICY:
+                continue
+            if not policy:
+                warnings.append(self._eviction_unknown(at, "INFO memory has no maxmemory_policy"))
+            elif policy.startswith(EVICTS_ANY_KEY) and self.allow_eviction:
+                warnings.append(f"{at} runs with maxmemory-policy {policy} and caps_redis_allow_eviction is True: "
+                                f"{_EVICTS_ANY_KEY_RISK}.")  # fmt: skip
+            elif policy.startswith(EVICTS_ANY_KEY):
+                refused.append(
+                    f"the slot store refuses {at}: its maxmemory-policy {policy} lets Redis evict any key when it "
+                    f"is short of memory, so {_EVICTS_ANY_KEY_RISK}. To fix it, {_NO_EVICTION_FIX}; or set "
+                    "caps_redis_allow_eviction = True to run on it anyway, at that risk."
+                )
+            elif policy.startswith(EVICTS_KEYS_WITH_TTL):
+                warnings.append(
+                    f"{at} runs with maxmemory-policy {policy}: when it is short of memory Redis may evict keys "
+                    f"that have a TTL, and the store's tombstones ({self.key_prefix}:done:<task id>) have one: a "
+                    f"tombstone evicted early lets a stale copy of a woken task run it again. To fix it, "
+                    f"{_NO_EVICTION_FIX}."
+                )
+            else:
+                warnings.append(self._eviction_unknown(at, f"maxmemory-policy {policy} is not one the store knows"))
+        return (" ".join(refused) or None), warnings
+
+    @staticmethod
+    def _eviction_unknown(at: str, reason: str) -> str:
+        return (
+            f"{at}: {reason}. Unless its maxmemory-policy is {SAFE_EVICTION_POLICY}, Redis may evict the store's "
+            f"keys when it is short of memory (allkeys-*: {_EVICTS_ANY_KEY_RISK}; volatile-*: a tombstone, and a "
+            "stale copy of a woken task runs it again)."
         )
 
     def secrets(self) -> Sequence[str]:
@@ -715,3 +834,4 @@ class RedisStore(ParkingStore):
         if self._owns_client and self._client_instance is not None:
             self._client_instance.close()
             self._client_instance = None
+            self._server_accepted = False

@@ -17,7 +17,8 @@ Redis Sentinel         ``sentinel://host:port[;sentinel://host:port...]``  ``red
 What the store needs from this module is a :class:`RedisTarget`: how to build the client (a
 cluster client connects while it is built, so the store builds it on first use, where a
 failure is a store error like any other), whether it is a cluster (every key then needs one
-hash tag), a description safe to log and the secrets never to show.
+hash tag), a description safe to log and the secrets never to show; and
+:func:`primary_infos`, what the servers the store writes to say of their settings.
 """
 
 from __future__ import annotations
@@ -353,3 +354,18 @@ def _address(client: Any) -> tuple[str, int]:
 
 def _passwords(*options: dict[str, Any]) -> tuple[str, ...]:
     return tuple(value for kwargs in options for value in [kwargs.get("password")] if isinstance(value, str) and value)
+
+
+# -- the servers a client writes to ------------------------------------------------------------
+
+
+def primary_infos(client: Any, cluster: bool, section: str, description: str) -> list[tuple[str, dict[str, Any]]]:
+    """``INFO <section>`` of every server ``client`` writes to, each with where it is: the one
+    server of a client to one server (Sentinel's current master for a Sentinel client), every
+    primary of a cluster (named by its address).  ``description`` is the target's description."""
+    if not cluster:
+        return [(description, dict(client.info(section)))]
+    return [
+        (f"{description} (node {node.name})", dict(client.info(section, target_nodes=node)))
+        for node in sorted(client.get_primaries(), key=lambda node: str(node.name))
+    ]
