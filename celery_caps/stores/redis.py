@@ -158,7 +158,14 @@ from .base import (
     Waiter,
     Woken,
 )
-from .redis_clients import RedisTarget, hash_tagged, primary_infos, target_from_client, target_from_url
+from .redis_clients import (
+    RedisTarget,
+    eviction_findings,
+    hash_tagged,
+    primary_infos,
+    target_from_client,
+    target_from_url,
+)
 
 #: Slot names read per HSCAN call, and per status script, by the reads of every slot name.
 SCAN_BATCH = 500
@@ -171,19 +178,6 @@ _CLAIM_OUTCOMES = {outcome.value.encode(): outcome for outcome in ClaimOutcome}
 _USE_CLUSTER_URL = (
     "set caps_url to redis+cluster://host:port[,host:port...] (or pass a redis.cluster.RedisCluster), "
     "which puts every key of the store under one hash tag"
-)
-#: The ``maxmemory-policy`` under which Redis evicts none of the store's keys, and the prefixes of
-#: the policies under which it may evict any key, or any key with a TTL (a tombstone).
-SAFE_EVICTION_POLICY = "noeviction"
-EVICTS_ANY_KEY = "allkeys-"
-EVICTS_KEYS_WITH_TTL = "volatile-"
-_EVICTS_ANY_KEY_RISK = (
-    "any of the store's keys may go: an evicted lease lets a second task take a slot its holder still has (a cap "
-    "is exceeded), an evicted waiting list loses its parked tasks"
-)
-_NO_EVICTION_FIX = (
-    f"set maxmemory-policy {SAFE_EVICTION_POLICY} there (CONFIG SET maxmemory-policy {SAFE_EVICTION_POLICY}, "
-    "and in its redis.conf), or give the store a Redis of its own that evicts nothing"
 )
 
 
@@ -462,44 +456,8 @@ class RedisStore(ParkingStore):
         try:
             servers = primary_infos(client, self._target.cluster, "memory", self._display_url)
         except redis.exceptions.ResponseError as exc:  # INFO not allowed to this user, or renamed away
-            return None, [self._eviction_unknown(self._display_url, f"INFO memory failed: {exc}")]
-        by_policy: dict[str, list[str]] = {}
-        for where, info in servers:
-            by_policy.setdefault(str(info.get("maxmemory_policy", "")), []).append(where)
-        refused, warnings = [], []
-        for policy, places in sorted(by_policy.items()):
-            at = f"the Redis server at {', '.join(places)}"
-            if policy == SAFE_EVICTION_POLICY:
-                continue
-            if not policy:
-                warnings.append(self._eviction_unknown(at, "INFO memory has no maxmemory_policy"))
-            elif policy.startswith(EVICTS_ANY_KEY) and self.allow_eviction:
-                warnings.append(f"{at} runs with maxmemory-policy {policy} and caps_redis_allow_eviction is True: "
-                                f"{_EVICTS_ANY_KEY_RISK}.")  # fmt: skip
-            elif policy.startswith(EVICTS_ANY_KEY):
-                refused.append(
-                    f"the slot store refuses {at}: its maxmemory-policy {policy} lets Redis evict any key when it "
-                    f"is short of memory, so {_EVICTS_ANY_KEY_RISK}. To fix it, {_NO_EVICTION_FIX}; or set "
-                    "caps_redis_allow_eviction = True to run on it anyway, at that risk."
-                )
-            elif policy.startswith(EVICTS_KEYS_WITH_TTL):
-                warnings.append(
-                    f"{at} runs with maxmemory-policy {policy}: when it is short of memory Redis may evict keys "
-                    f"that have a TTL, and the store's tombstones ({self.key_prefix}:done:<task id>) have one: a "
-                    f"tombstone evicted early lets a stale copy of a woken task run it again. To fix it, "
-                    f"{_NO_EVICTION_FIX}."
-                )
-            else:
-                warnings.append(self._eviction_unknown(at, f"maxmemory-policy {policy} is not one the store knows"))
-        return (" ".join(refused) or None), warnings
-
-    @staticmethod
-    def _eviction_unknown(at: str, reason: str) -> str:
-        return (
-            f"{at}: {reason}. Unless its maxmemory-policy is {SAFE_EVICTION_POLICY}, Redis may evict the store's "
-            f"keys when it is short of memory (allkeys-*: {_EVICTS_ANY_KEY_RISK}; volatile-*: a tombstone, and a "
-            "stale copy of a woken task runs it again)."
-        )
+            servers = [(self._display_url, {"maxmemory_policy": "", "unreadable": f"INFO memory failed: {exc}"})]
+        return eviction_findings(servers, self.allow_eviction, tombstones=f"{self.key_prefix}:done:<task id>")
 
     def secrets(self) -> Sequence[str]:
         return self._target.secrets

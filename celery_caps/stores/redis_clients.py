@@ -17,8 +17,9 @@ Redis Sentinel         ``sentinel://host:port[;sentinel://host:port...]``  ``red
 What the store needs from this module is a :class:`RedisTarget`: how to build the client (a
 cluster client connects while it is built, so the store builds it on first use, where a
 failure is a store error like any other), whether it is a cluster (every key then needs one
-hash tag), a description safe to log and the secrets never to show; and
-:func:`primary_infos`, what the servers the store writes to say of their settings.
+hash tag), a description safe to log and the secrets never to show; and what the servers the
+store writes to say of their settings (:func:`primary_infos`), and what their eviction policy
+means for the store (:func:`eviction_findings`).
 """
 
 from __future__ import annotations
@@ -369,3 +370,66 @@ def primary_infos(client: Any, cluster: bool, section: str, description: str) ->
         (f"{description} (node {node.name})", dict(client.info(section, target_nodes=node)))
         for node in sorted(client.get_primaries(), key=lambda node: str(node.name))
     ]
+
+
+#: The ``maxmemory-policy`` under which Redis evicts none of the store's keys, and the prefixes of
+#: the policies under which it may evict any key, or any key with a TTL (a tombstone).
+SAFE_EVICTION_POLICY = "noeviction"
+EVICTS_ANY_KEY = "allkeys-"
+EVICTS_KEYS_WITH_TTL = "volatile-"
+_EVICTS_ANY_KEY_RISK = (
+    "an evicted lease lets a second task take a slot its holder still has (a cap is exceeded), an evicted waiting "
+    "list loses its parked tasks"
+)
+_NO_EVICTION_FIX = (
+    f"set maxmemory-policy {SAFE_EVICTION_POLICY} there (CONFIG SET maxmemory-policy {SAFE_EVICTION_POLICY}, "
+    "and in its redis.conf), or give the store a Redis of its own that evicts nothing"
+)
+
+
+def eviction_findings(
+    servers: Sequence[tuple[str, dict[str, Any]]], allow_eviction: bool, tombstones: str
+) -> tuple[str | None, list[str]]:
+    """What the ``maxmemory-policy`` of ``servers`` (:func:`primary_infos` of ``memory``) means for
+    the store: a refusal (None if none: ``allkeys-*`` without ``allow_eviction``) and warnings
+    (``volatile-*``, whose evictions reach the store's ``tombstones``; ``allkeys-*`` allowed; a
+    policy unknown or unreadable: an ``unreadable`` entry says why)."""
+    by_policy: dict[tuple[str, str], list[str]] = {}
+    for where, info in servers:
+        key = (str(info.get("maxmemory_policy", "")), str(info.get("unreadable", "")))
+        by_policy.setdefault(key, []).append(where)
+    refused, warnings = [], []
+    for (policy, unreadable), places in sorted(by_policy.items()):
+        at = f"the Redis server at {', '.join(places)}"
+        if policy == SAFE_EVICTION_POLICY:
+            continue
+        if not policy:
+            warnings.append(_eviction_unknown(at, unreadable or "INFO memory has no maxmemory_policy"))
+        elif policy.startswith(EVICTS_ANY_KEY) and allow_eviction:
+            warnings.append(
+                f"{at} runs with maxmemory-policy {policy} (caps_redis_allow_eviction is True), so Redis may "
+                f"evict any of the store's keys when it is short of memory: {_EVICTS_ANY_KEY_RISK}."
+            )
+        elif policy.startswith(EVICTS_ANY_KEY):
+            refused.append(
+                f"the slot store refuses {at}: its maxmemory-policy {policy} lets Redis evict any key when it "
+                f"is short of memory, the store's included: {_EVICTS_ANY_KEY_RISK}. To fix it, "
+                f"{_NO_EVICTION_FIX}; or set caps_redis_allow_eviction = True to run on it anyway, at that risk."
+            )
+        elif policy.startswith(EVICTS_KEYS_WITH_TTL):
+            warnings.append(
+                f"{at} runs with maxmemory-policy {policy}: when it is short of memory Redis may evict keys "
+                f"that have a TTL, and the store's tombstones ({tombstones}) have one: a tombstone evicted early "
+                f"lets a stale copy of a woken task run it again. To fix it, {_NO_EVICTION_FIX}."
+            )
+        else:
+            warnings.append(_eviction_unknown(at, f"maxmemory-policy {policy} is not one the store knows"))
+    return (" ".join(refused) or None), warnings
+
+
+def _eviction_unknown(at: str, reason: str) -> str:
+    return (
+        f"{at}: {reason}. Unless its maxmemory-policy is {SAFE_EVICTION_POLICY}, Redis may evict the store's "
+        f"keys when it is short of memory (allkeys-*: {_EVICTS_ANY_KEY_RISK}; volatile-*: a tombstone, and a "
+        "stale copy of a woken task runs it again)."
+    )

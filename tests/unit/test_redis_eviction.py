@@ -160,6 +160,22 @@ def test_the_store_runs_on_a_redis_that_evicts_nothing_without_a_warning(tmp_pat
             store.close()
 
 
+def test_a_policy_the_store_may_not_read_is_used_with_a_warning_saying_what_to_check(tmp_path: Path) -> None:
+    with policy_server(tmp_path, "allkeys-lru") as port:
+        # Given a user whose ACL denies INFO (the policy cannot be read: it is not refused)
+        with redis.Redis(port=port) as admin:
+            admin.acl_setuser("caps", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                              commands=["+@all", "-info"])  # fmt: skip
+        store = RedisStore(f"redis://caps:pw@127.0.0.1:{port}/0", key_prefix=new_prefix())
+        try:
+            assert take(store, "evict", "first")
+            [warning] = store.connection_warnings()
+            assert "INFO memory failed" in warning and "Unless its maxmemory-policy is noeviction" in warning
+            assert "pw@" not in warning, warning
+        finally:
+            store.close()
+
+
 def test_caps_redis_allow_eviction_runs_the_store_on_allkeys_with_a_warning(tmp_path: Path) -> None:
     with policy_server(tmp_path, "allkeys-lru") as port:
         url = f"redis://127.0.0.1:{port}/0"
@@ -171,7 +187,7 @@ def test_caps_redis_allow_eviction_runs_the_store_on_allkeys_with_a_warning(tmp_
         try:
             assert take(store, "evict", "first")
             [warning] = store.check_eviction()
-            assert "caps_redis_allow_eviction is True" in warning and "maxmemory-policy allkeys-lru" in warning
+            assert "(caps_redis_allow_eviction is True)" in warning and "maxmemory-policy allkeys-lru" in warning
             assert "a cap is exceeded" in warning and "parked tasks" in warning, warning
             assert store.connection_warnings() == [warning]
         finally:
@@ -257,7 +273,7 @@ def test_caps_check_fails_on_allkeys_and_reports_volatile_and_an_allowed_allkeys
         assert "maxmemory-policy allkeys-lru" in refused.output and "noeviction" in refused.output, refused.output
         allowed = check(url, caps_redis_allow_eviction=True)
         assert allowed.exit_code == 1 and "ok" in allowed.output, allowed.output
-        assert "problem: " in allowed.output and "caps_redis_allow_eviction is True" in allowed.output
+        assert "problem: " in allowed.output and "(caps_redis_allow_eviction is True)" in allowed.output
         with redis.Redis(port=port) as client:
             client.config_set("maxmemory-policy", "volatile-lru")
         volatile = check(url)
@@ -292,7 +308,7 @@ def test_a_worker_refuses_to_start_on_a_redis_that_may_evict_any_key(tmp_path: P
 @pytest.mark.parametrize(
     ("policy", "settings", "warning"),
     [
-        ("allkeys-lru", ("app.conf.caps_redis_allow_eviction = True",), "caps_redis_allow_eviction is True"),
+        ("allkeys-lru", ("app.conf.caps_redis_allow_eviction = True",), "(caps_redis_allow_eviction is True)"),
         ("volatile-lru", (), "maxmemory-policy volatile-lru"),
     ],
     ids=["allkeys-allowed", "volatile"],
