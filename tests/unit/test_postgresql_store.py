@@ -286,8 +286,8 @@ def test_a_release_hands_over_without_waiting_for_the_wal_flush_but_parks_and_ad
     calls: dict[str, tuple[Any, ...]] = {
         # (Each in a transaction rolled back: nothing is kept.)
         "concurrency_slots_acquire": (slots, limits, "t1", uuid.uuid4().hex, HOLDER, LEASE, "t"),
-        "concurrency_slots_park": (slots, limits, "t2", uuid.uuid4().hex, HOLDER, LEASE, "t", b"m", 0.0, 10),
-        "concurrency_slots_release_and_wake": (uuid.uuid4().hex, LEASE),
+        "concurrency_slots_park": (slots, limits, "t2", uuid.uuid4().hex, HOLDER, LEASE, "t", b"m", 0.0, 10, ""),
+        "concurrency_slots_release_and_wake": (uuid.uuid4().hex, LEASE, ""),
     }
     committed_with = {}
     with store.engine.connect() as connection:

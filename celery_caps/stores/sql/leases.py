@@ -218,13 +218,21 @@ class SQLLeaseStore(SlotStore):
                 time.sleep(0.005 * attempt)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _names(self, connection: Connection, statement: str, name: str, values: Collection[Any]) -> set[str]:
-        """The first column of ``statement`` run on ``values`` bound to the list ``name``, a batch
-        at a time."""
+    def _names(
+        self,
+        connection: Connection,
+        statement: str,
+        name: str,
+        values: Collection[Any],
+        params: Mapping[str, Any] | None = None,
+    ) -> set[str]:
+        """The first column of ``statement`` run on ``values`` bound to the list ``name`` (and
+        ``params``), a batch at a time."""
         found: set[str] = set()
         listed = list(values)
         for start in range(0, len(listed), BATCH):
-            rows = self.statements.execute(connection, statement, {name: listed[start : start + BATCH]})
+            batch = {**(params or {}), name: listed[start : start + BATCH]}
+            rows = self.statements.execute(connection, statement, batch)
             found.update(as_text(row[0]) for row in rows)
         return found
 

@@ -519,6 +519,7 @@ class PostgreSQLStore(SQLStore):
                 "payload": request.payload,
                 "first_deferred_at": request.first_deferred_at,
                 "max_waiters": request.max_waiters,
+                "deployment": self.deployment,
             },
         )
         return ParkOutcome(rows[0][0])
@@ -542,7 +543,8 @@ class PostgreSQLStore(SQLStore):
         if not self._ready():
             return super().release_and_wake(run_id, dispatch_lease_seconds)
         # One round trip, whether or not anybody waits for the freed slots.
-        rows, _ = self._call("release_and_wake", {"run_id": run_id, "dispatch_lease_seconds": dispatch_lease_seconds})
+        params = {"run_id": run_id, "dispatch_lease_seconds": dispatch_lease_seconds, "deployment": self.deployment}
+        rows, _ = self._call("release_and_wake", params)
         woken = [
             Woken(str(task_id), str(woken_run_id), bytes(payload), task_name)
             for _, task_id, woken_run_id, payload, task_name in rows
@@ -568,10 +570,15 @@ class PostgreSQLStore(SQLStore):
         return self._wake(connection, walked, dispatch_lease_seconds)
 
     def _wake(self, connection: sa.Connection, slots: Collection[str], dispatch_lease_seconds: float) -> list[Woken]:
-        """Dispatch the waiters that ``slots`` can now admit (``concurrency_slots_wake``)."""
+        """Dispatch the waiters of this deployment that ``slots`` can now admit
+        (``concurrency_slots_wake``)."""
         if not slots:
             return []
-        params = {"slots": sorted(set(slots)), "dispatch_lease_seconds": dispatch_lease_seconds}
+        params = {
+            "slots": sorted(set(slots)),
+            "dispatch_lease_seconds": dispatch_lease_seconds,
+            "deployment": self.deployment,
+        }
         rows = connection.exec_driver_sql(POSTGRESQL_CALLS["wake"], params).all()
         return [
             Woken(str(task_id), str(run_id), bytes(payload), task_name) for task_id, run_id, payload, task_name in rows

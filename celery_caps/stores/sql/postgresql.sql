@@ -106,7 +106,8 @@ END $$
 -- admission's count and leases ('admitted'); without a payload, 'full'; a slot whose list holds
 -- p_max_waiters entries, 'waitlist_full'; else the task's tombstone (if any) gives way to its
 -- waiting entry, which keeps its count of dispatches, one row per slot at the store's clock,
--- without a limit: its slots' limits are their sentinels' ('parked').
+-- without a limit (its slots' limits are their sentinels'), of deployment p_deployment, which
+-- alone dispatches it ('parked').
 --
 -- The hot-path functions below plan each statement once per session: these are key lookups whose
 -- best plan never depends on the values, and re-planning a dozen of them costs more than running
@@ -117,7 +118,7 @@ END $$
 CREATE OR REPLACE FUNCTION concurrency_slots_park(
     p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
     p_lease_seconds double precision, p_task_name text, p_payload bytea,
-    p_first_deferred_at double precision, p_max_waiters integer
+    p_first_deferred_at double precision, p_max_waiters integer, p_deployment text
 ) RETURNS text LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
 SET enable_sort = off SET jit = off AS $$
@@ -155,8 +156,9 @@ BEGIN
         RETURNING w.dispatches)
     SELECT coalesce(max(gone.dispatches), 0) INTO v_dispatches FROM gone;
     INSERT INTO concurrency_waiters
-        (slot, task_id, slot_count, first_deferred_at, parked_at, task_name, payload, dispatches)
-    SELECT u.slot, p_task_id, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_payload, v_dispatches
+        (slot, task_id, slot_count, first_deferred_at, parked_at, task_name, deployment, payload, dispatches)
+    SELECT u.slot, p_task_id, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_deployment, p_payload,
+        v_dispatches
     FROM unnest(p_slots) AS u(slot);
     -- The lists' counts last: only parks add to them, under the sentinels' locks.
     INSERT INTO concurrency_waitlists (slot, entries) SELECT u.slot, 1 FROM unnest(p_slots) AS u(slot)
@@ -165,18 +167,22 @@ BEGIN
 END $$
 ;
 
--- The wake of the waiters that slots p_released (their leases just deleted, or expired) can now
--- admit, in the caller's transaction: the one waiting-list walk of this store (the portable
--- store's _wake_after_release and _dispatch, which PostgreSQL never runs).  Lock the slots'
--- sentinels, then (SKIP LOCKED: no lock-order deadlock) those of the other slots their waiters
--- need; walk the waiters of the locked slots in their order (first deferral, park time, task id),
--- streaming, and dispatch each that waits for one of p_released and whose every slot is locked
--- and has room (and still waits: a readmit or a forget may have taken it since the walk began);
--- stop once every slot seen is full.  Room is counted against each slot's limit as its sentinel
--- holds it now (read as the sentinels are locked), never a limit a waiter was parked under; a
--- slot without a limit counts as full.  One row per woken waiter.
-CREATE OR REPLACE FUNCTION concurrency_slots_wake(p_released text[], p_dispatch_lease_seconds double precision)
-RETURNS TABLE (
+-- The wake of the waiters of deployment p_deployment that slots p_released (their leases just
+-- deleted, or expired) can now admit, in the caller's transaction: the one waiting-list walk of
+-- this store (the portable store's _wake_after_release and _dispatch, which PostgreSQL never
+-- runs).  Lock the slots' sentinels, then (SKIP LOCKED: no lock-order deadlock) those of the
+-- other slots their waiters need; walk the waiters of p_deployment of the locked slots in their
+-- order (first deferral, park time, task id), streaming, and dispatch each that waits for one of
+-- p_released and whose every slot is locked and has room (and still waits: a readmit or a forget
+-- may have taken it since the walk began); stop once every slot seen is full.  Room is counted
+-- against each slot's limit as its sentinel holds it now (read as the sentinels are locked), never
+-- a limit a waiter was parked under; a slot without a limit counts as full.  Other deployments'
+-- waiters are never read (every index with the deployment has it first or right after the slot):
+-- they keep their place, for their own deployment's releases and recoveries.  One row per woken
+-- waiter.
+CREATE OR REPLACE FUNCTION concurrency_slots_wake(
+    p_released text[], p_dispatch_lease_seconds double precision, p_deployment text
+) RETURNS TABLE (
     o_task_id text, o_run_id text, o_payload bytea, o_task_name text
 ) LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
@@ -188,6 +194,9 @@ DECLARE
     v_found_full text[];
     v_full_after text[];
     v_released text[] := p_released;
+    v_released_slot text;
+    v_waiting boolean := false;
+    v_several text[] := '{}';
     v_waited text[];
     v_locked text[];
     -- The locked slots' limits (their sentinels'), v_limit_values[i] of v_limit_slots[i].
@@ -216,22 +225,34 @@ BEGIN
     INTO v_limit_slots, v_limit_values FROM (
         SELECT c.slot, c.slot_limit FROM concurrency_slots c
         WHERE c.run_id = '' AND c.slot = ANY(v_released) ORDER BY c.slot FOR UPDATE) l;
-    IF NOT EXISTS (
-        SELECT 1 FROM concurrency_waiters x WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL)
-    THEN
+    -- Whether p_deployment has a waiter in a released slot: the first of each slot's list, in the
+    -- walk's order.  (Each look below is of one slot, in the order of the one index that gives it
+    -- without a sort: planned generically, a look at several slots at once, or in no order, may
+    -- take an index of the deployment alone and read every waiter of the deployment.)
+    FOREACH v_released_slot IN ARRAY v_released LOOP
+        PERFORM 1 FROM concurrency_waiters x
+        WHERE x.slot = v_released_slot AND x.deployment = p_deployment AND x.dispatch_run_id IS NULL
+        ORDER BY x.first_deferred_at, x.parked_at, x.task_id LIMIT 1;
+        v_waiting := FOUND;
+        EXIT WHEN v_waiting;
+    END LOOP;
+    IF NOT v_waiting THEN
         RETURN;
     END IF;
     -- The other slots that waiters of several slots need (none for single-slot waiters, the
-    -- common case, which the partial index ix_concurrency_waiters_several tells at once).
-    v_locked := v_released;
-    IF EXISTS (
-        SELECT 1 FROM concurrency_waiters x
-        WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL AND x.slot_count > 1)
-    THEN
-        SELECT coalesce(array_agg(DISTINCT w.slot), '{}') INTO v_waited FROM concurrency_waiters w
-        WHERE w.task_id IN (
+    -- common case, which the partial index ix_concurrency_waiters_several tells at once, in its
+    -- order).
+    FOREACH v_released_slot IN ARRAY v_released LOOP
+        v_several := v_several || ARRAY(
             SELECT x.task_id FROM concurrency_waiters x
-            WHERE x.slot = ANY(v_released) AND x.dispatch_run_id IS NULL AND x.slot_count > 1);
+            WHERE x.slot = v_released_slot AND x.deployment = p_deployment AND x.dispatch_run_id IS NULL
+                AND x.slot_count > 1
+            ORDER BY x.slot_count);
+    END LOOP;
+    v_locked := v_released;
+    IF cardinality(v_several) > 0 THEN
+        SELECT coalesce(array_agg(DISTINCT w.slot), '{}') INTO v_waited FROM concurrency_waiters w
+        WHERE w.task_id = ANY(v_several);
         SELECT coalesce(array_agg(m.slot), '{}'), coalesce(array_agg(m.slot_limit), '{}')
         INTO v_more_slots, v_more_values FROM (
             SELECT c.slot, c.slot_limit FROM concurrency_slots c
@@ -249,12 +270,12 @@ BEGIN
     IF cardinality(v_locked) = 1 THEN
         OPEN v_waiters FOR
             SELECT w.task_id, w.slot, w.slot_count, w.task_name FROM concurrency_waiters w
-            WHERE w.slot = v_locked[1] AND w.dispatch_run_id IS NULL
+            WHERE w.slot = v_locked[1] AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
             ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
     ELSE
         OPEN v_waiters FOR
             SELECT w.task_id, w.slot, w.slot_count, w.task_name FROM concurrency_waiters w
-            WHERE w.slot = ANY(v_locked) AND w.dispatch_run_id IS NULL
+            WHERE w.slot = ANY(v_locked) AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
             ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
     END IF;
     LOOP
@@ -333,8 +354,9 @@ BEGIN
 END $$
 ;
 
--- A run's release and the wake of the waiters its slots can now admit, in one round trip.  One
--- row per woken waiter (o_task_id NULL when none), each with the number of leases deleted.
+-- A run's release and the wake of the waiters of deployment p_deployment its slots can now admit,
+-- in one round trip.  One row per woken waiter (o_task_id NULL when none), each with the number
+-- of leases deleted.
 --
 -- It commits without waiting for its WAL record to reach the disk (synchronous_commit off for
 -- its transaction only; admission, park, claim and renew stay durable): the flush is most of a
@@ -342,8 +364,9 @@ END $$
 -- fraction of a second of such commits, never a parked task: a lost release leaves its lease to
 -- expire (fewer admissions, never more), a lost hand-over leaves its waiter in the list to be
 -- handed over again (its task may then run twice, as one task id: at-least-once).
-CREATE OR REPLACE FUNCTION concurrency_slots_release_and_wake(p_run_id text, p_dispatch_lease_seconds double precision)
-RETURNS TABLE (
+CREATE OR REPLACE FUNCTION concurrency_slots_release_and_wake(
+    p_run_id text, p_dispatch_lease_seconds double precision, p_deployment text
+) RETURNS TABLE (
     o_deleted integer, o_task_id text, o_run_id text, o_payload bytea, o_task_name text
 ) LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
@@ -358,7 +381,7 @@ BEGIN
     IF o_deleted > 0 THEN
         FOR o_task_id, o_run_id, o_payload, o_task_name IN
             SELECT w.o_task_id, w.o_run_id, w.o_payload, w.o_task_name
-            FROM concurrency_slots_wake(v_released, p_dispatch_lease_seconds) w
+            FROM concurrency_slots_wake(v_released, p_dispatch_lease_seconds, p_deployment) w
         LOOP
             v_any := true;
             RETURN NEXT;

@@ -8,10 +8,13 @@
   seconds since the epoch by the **database's clock**, and for operators ``task_name`` and
   ``acquired_at``).
 * ``concurrency_waiters``: the waiting list of the park strategy, one row per parked task and
-  slot it needs (its task name, payload, first-deferral time, how many times it was dispatched,
-  and while dispatched the run id and deadline of its dispatch; a tombstone has ``done_until``
-  set, keeps its dispatch's run id and, if a claim made it, the claiming holder).  It holds no
-  limit: a waiter is dispatched against its slots' sentinels, as they are at that moment.
+  slot it needs (its task name, payload, first-deferral time, the deployment that parked it, how
+  many times it was dispatched, and while dispatched the run id and deadline of its dispatch; a
+  tombstone has ``done_until`` set, keeps its dispatch's run id and, if a claim made it, the
+  claiming holder).  It holds no limit: a waiter is dispatched against its slots' sentinels, as
+  they are at that moment.  Only its own deployment dispatches it: every walk, recovery and
+  readmit reads the entries of one deployment, through indexes that hold ``deployment`` first or
+  right after the slot, so that another deployment's list costs them nothing.
 * ``concurrency_waitlists``: how many entries (waiting or dispatched) each slot's list holds, so
   that a park checks ``caps_park_max_waiters`` without counting the list.  Parks add to it under
   the slot's sentinel lock; the steps that take entries off the list (a claim, a forget) take
@@ -39,6 +42,8 @@ SCHEMA_VERSION = 1
 MAX_TASK_ID_LENGTH = 255
 #: Longest task name kept with a lease (longer ones are cut), in characters.
 MAX_TASK_NAME_LENGTH = 255
+#: Longest deployment name (``caps_deployment``) an entry records, in characters.
+MAX_DEPLOYMENT_LENGTH = 64
 
 TABLE_NAME = "concurrency_slots"
 
@@ -103,6 +108,13 @@ concurrency_waiters = sa.Table(
     sa.Column("parked_at", sa.Double(), nullable=False, comment="store-clock epoch seconds"),
     sa.Column("task_name", sa.String(MAX_TASK_NAME_LENGTH), nullable=True),
     sa.Column(
+        "deployment",
+        _exact_text(MAX_DEPLOYMENT_LENGTH),
+        nullable=False,
+        server_default="",
+        comment="caps_deployment of the handle that parked it: only that deployment dispatches it",
+    ),
+    sa.Column(
         "payload",
         sa.LargeBinary().with_variant(mysql.MEDIUMBLOB(), "mysql", "mariadb"),
         nullable=False,
@@ -114,23 +126,28 @@ concurrency_waiters = sa.Table(
     sa.Column("done_until", sa.Double(), nullable=True, comment="a tombstone until then (store-clock epoch seconds)"),
     sa.Column("claimed_by", sa.String(255), nullable=True, comment="a claim's tombstone: the holder that claimed"),
     sa.Index("ix_concurrency_waiters_task_id", "task_id"),
-    # A slot's waiters in their order (a release reads the first few).
-    sa.Index("ix_concurrency_waiters_order", "slot", "first_deferred_at", "parked_at", "task_id"),
+    # Every index holding ``deployment`` has it first or right after the slot: whichever of them a
+    # plan takes (a PL/pgSQL function's generic plan included), a look for one deployment's
+    # entries never reads another deployment's.
+    # A slot's waiters of one deployment in their order (a release reads the first few, never
+    # another deployment's).
+    sa.Index("ix_concurrency_waiters_order", "slot", "deployment", "first_deferred_at", "parked_at", "task_id"),
     # The (rare) waiters of several slots of a slot, which make a release lock their other slots:
     # found without walking the slot's list (partial where the database has partial indexes).
     sa.Index(
         "ix_concurrency_waiters_several",
         "slot",
+        "deployment",
         "slot_count",
         postgresql_where=sa.text("slot_count > 1"),
         sqlite_where=sa.text("slot_count > 1"),
     ),
-    # Recovery's: the oldest waiter (whether any is past the maximum wait), and the entries of
-    # the tasks a worker knows by name (whatever their slots are called).
-    sa.Index("ix_concurrency_waiters_first_deferred", "first_deferred_at"),
-    sa.Index("ix_concurrency_waiters_task_name", "task_name"),
-    # The sweep's and recovery's passes read only what is due: old tombstones, dispatches past
-    # their deadline (NULL on most rows: partial where possible).
+    # Recovery's, of one deployment: the oldest waiter (whether any is past the maximum wait),
+    # and the entries of the tasks a worker knows by name (whatever their slots are called).
+    sa.Index("ix_concurrency_waiters_first_deferred", "deployment", "first_deferred_at"),
+    sa.Index("ix_concurrency_waiters_task_name", "deployment", "task_name"),
+    # The sweep's and recovery's passes read only what is due: old tombstones, dispatches (of
+    # one deployment) past their deadline (NULL on most rows: partial where possible).
     sa.Index(
         "ix_concurrency_waiters_done_until",
         "done_until",
@@ -139,6 +156,7 @@ concurrency_waiters = sa.Table(
     ),
     sa.Index(
         "ix_concurrency_waiters_dispatch_expiry",
+        "deployment",
         "dispatch_expires_at",
         postgresql_where=sa.text("dispatch_expires_at IS NOT NULL"),
         sqlite_where=sa.text("dispatch_expires_at IS NOT NULL"),

@@ -4,6 +4,10 @@
 ``{skip_locked}`` its row locks, ``{slot_starts_with}`` the condition that ``slot`` starts with a
 prefix, exactly and case included (its ``:pattern`` is :meth:`Statements.prefix_pattern`);
 ``:slots``, ``:task_ids``, ``:run_ids`` and ``:task_names`` are lists (expanding binds).
+``:deployment`` is the handle's deployment (:attr:`.SlotStore.deployment`): every statement of a
+walk, a recovery or a readmit reads only the waiting entries of that deployment, which alone
+dispatches them; admission, the lists' counts, prune, the sweep and the operators' reads see
+every deployment's.
 The admission statements over several slots (``{values}``/``{slots}``) are built per number
 of slots by :meth:`Statements.execute_for_slots`.
 
@@ -69,10 +73,11 @@ TEMPLATES: dict[str, str] = {
         "(SELECT expires_at FROM concurrency_slots WHERE expires_at IS NOT NULL ORDER BY expires_at LIMIT 1), "
         "(SELECT done_until FROM concurrency_waiters WHERE done_until IS NOT NULL ORDER BY done_until LIMIT 1)"
     ),
-    # The clock and the earliest deadline of a dispatch (recovery returns the expired ones).
+    # The clock and the earliest deadline of a dispatch of :deployment (recovery returns the
+    # expired ones).
     "next_dispatch_deadline": (
-        "SELECT {now}, (SELECT dispatch_expires_at FROM concurrency_waiters WHERE dispatch_expires_at IS NOT NULL "
-        "AND done_until IS NULL ORDER BY dispatch_expires_at LIMIT 1)"
+        "SELECT {now}, (SELECT dispatch_expires_at FROM concurrency_waiters WHERE deployment = :deployment "
+        "AND dispatch_expires_at IS NOT NULL AND done_until IS NULL ORDER BY dispatch_expires_at LIMIT 1)"
     ),
     "old_tombstones": (
         "SELECT task_id FROM concurrency_waiters WHERE done_until <= :now ORDER BY done_until LIMIT :batch"
@@ -158,60 +163,74 @@ TEMPLATES: dict[str, str] = {
         "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND holder = :holder AND run_id <> ''"
     ),
     "task_slots": "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''",
-    # The listed slots of one cap (recovery of some caps): the slot named like it, and its keys';
-    # of a slot name (it has a ':'), that slot alone (listed_slot).
+    # The slots with listed entries of :deployment of one cap (recovery of some caps): the slot
+    # named like it, and its keys'; of a slot name (it has a ':'), that slot alone (listed_slot).
+    # (Every slot with a list has a row in concurrency_waitlists: one row per slot of the cap,
+    # and a look at the first rows of its list's part of :deployment.)
     "cap_slots": (
-        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND (slot = :cap OR {slot_starts_with})"
+        "SELECT n.slot FROM concurrency_waitlists n WHERE (n.slot = :cap OR {slot_starts_with}) AND EXISTS ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+        "AND w.done_until IS NULL)"
     ),
-    "listed_slot": "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND slot = :cap",
-    # Every slot of the listed entries of the tasks named :task_names (recovery of the tasks a
-    # worker knows, whatever their slots are called).
+    "listed_slot": (
+        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND deployment = :deployment "
+        "AND slot = :cap"
+    ),
+    # Every slot of the listed entries of :deployment of the tasks named :task_names (recovery of
+    # the tasks a worker knows, whatever their slots are called).
     "named_slots": (
-        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_name IN :task_names"
+        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_name IN :task_names "
+        "AND deployment = :deployment"
     ),
-    # Every slot of every listed entry (waiting or dispatched) that waits for one of :slots.
+    # Every slot of every listed entry of :deployment (waiting or dispatched) that waits for one of
+    # :slots (every row of an entry has its deployment).
     "listed_slots": (
         "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_id IN "
-        "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND done_until IS NULL)"
+        "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment "
+        "AND done_until IS NULL)"
     ),
-    # Every slot of every waiting task that waits for one of :slots (to lock them all, in order),
-    # in two reads that each cost what they find, however long the lists: the slots of :slots
-    # with a waiting entry (a look at the first rows of each list), and every slot of the (rare)
-    # waiters of several slots (ix_concurrency_waiters_several).
+    # Every slot of every waiting task of :deployment that waits for one of :slots (to lock them
+    # all, in order), in two reads that each cost what they find, however long the lists (their
+    # own deployment's or another's): the slots of :slots with a waiting entry (a look at the
+    # first rows of each list's part of :deployment), and every slot of the (rare) waiters of
+    # several slots (ix_concurrency_waiters_several).
     "slots_waited_for": (
         "SELECT s.slot FROM concurrency_slots s WHERE s.run_id = '' AND s.slot IN :slots AND EXISTS "
-        "(SELECT 1 FROM concurrency_waiters w WHERE w.slot = s.slot AND w.dispatch_run_id IS NULL)"
+        "(SELECT 1 FROM concurrency_waiters w WHERE w.slot = s.slot AND w.deployment = :deployment "
+        "AND w.dispatch_run_id IS NULL)"
     ),
     "several_waiting_slots": (
         "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN "
-        "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND slot_count > 1 "
-        "AND dispatch_run_id IS NULL)"
+        "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment "
+        "AND slot_count > 1 AND dispatch_run_id IS NULL)"
     ),
-    # The slots (of :slots, or any) with waiting entries where a waiter may fit: fewer live
-    # holders than the slot's limit, its sentinel's (read without locks: recovery locks these).
-    # (One row per slot with a list, its sentinel by the primary key, and a look at the first
-    # rows of its list for a waiting entry.)
+    # The slots (of :slots, or any) with waiting entries of :deployment where a waiter may fit:
+    # fewer live holders than the slot's limit, its sentinel's (read without locks: recovery
+    # locks these).  (One row per slot with a list, its sentinel by the primary key, and a look
+    # at the first rows of its list's part of :deployment for a waiting entry.)
     "slots_with_room": (
         "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
         "WHERE n.slot IN :slots AND n.entries > 0 AND s.slot_limit > (SELECT COUNT(DISTINCT c.task_id) "
         "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND EXISTS ("
-        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL)"
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+        "AND w.dispatch_run_id IS NULL)"
     ),
     "all_slots_with_room": (
         "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
         "WHERE n.entries > 0 AND s.slot_limit > (SELECT COUNT(DISTINCT c.task_id) "
         "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND EXISTS ("
-        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.dispatch_run_id IS NULL)"
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+        "AND w.dispatch_run_id IS NULL)"
     ),
     # The limits of :slots, their sentinels' (a dispatch counts against these, never against the
     # limits its waiters were parked under).
     "slot_limits": "SELECT slot, slot_limit FROM concurrency_slots WHERE run_id = '' AND slot IN :slots",
-    # The waiters of :slots in their order, a batch at a time (keyset: from the row ordered at
-    # :first/:parked/:task_id on).  Every row of one waiter has the same order key, so a waiter's
-    # rows are adjacent.
+    # The waiters of :deployment of :slots in their order, a batch at a time (keyset: from the row
+    # ordered at :first/:parked/:task_id on).  Every row of one waiter has the same order key, so
+    # a waiter's rows are adjacent.
     "waiting_rows": (
         "SELECT task_id, slot, slot_count, first_deferred_at, parked_at, task_name "
-        "FROM concurrency_waiters WHERE slot IN :slots AND dispatch_run_id IS NULL AND ("
+        "FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment AND dispatch_run_id IS NULL AND ("
         "first_deferred_at > :first OR (first_deferred_at = :first AND "
         "(parked_at > :parked OR (parked_at = :parked AND task_id >= :task_id)))) "
         "ORDER BY first_deferred_at, parked_at, task_id LIMIT :batch"
@@ -248,17 +267,18 @@ TEMPLATES: dict[str, str] = {
         "UPDATE concurrency_waiters SET done_until = {now} + :done_seconds, payload = :no_payload "
         "WHERE task_id = :task_id AND dispatch_run_id = :run_id AND done_until IS NULL"
     ),
-    # (:now: the store's clock read once, so that the deadline's index is used.)
+    # The dispatches of :deployment past their deadline.  (:now: the store's clock read once, so
+    # that the deadline's index is used.)
     "expired_dispatches": (
         "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
-        "WHERE dispatch_expires_at <= :now AND done_until IS NULL ORDER BY task_id"
+        "WHERE dispatch_expires_at <= :now AND done_until IS NULL AND deployment = :deployment ORDER BY task_id"
     ),
     # (Of the entries of a recovery's scope: waiting for one of :slots, or of a task named in
     # :task_names.)
     "expired_dispatches_of": (
         "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
-        "WHERE dispatch_expires_at <= :now AND done_until IS NULL "
-        "AND (task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots) "
+        "WHERE dispatch_expires_at <= :now AND done_until IS NULL AND deployment = :deployment "
+        "AND (task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment) "
         "OR task_name IN :task_names) ORDER BY task_id"
     ),
     "undispatch": (
@@ -269,27 +289,30 @@ TEMPLATES: dict[str, str] = {
     "delete_dispatch_leases": (
         f"DELETE FROM concurrency_slots WHERE run_id = :run_id AND task_id = :task_id AND holder = '{DISPATCH_HOLDER}'"
     ),
-    # The earliest first deferral of a waiting entry (recovery reads the overdue ones only if it
-    # is before :before).
+    # The earliest first deferral of a waiting entry of :deployment (recovery reads the overdue
+    # ones only if it is before :before).
     "first_waiting_since": (
-        "SELECT first_deferred_at FROM concurrency_waiters WHERE dispatch_run_id IS NULL "
+        "SELECT first_deferred_at FROM concurrency_waiters WHERE deployment = :deployment AND dispatch_run_id IS NULL "
         "ORDER BY first_deferred_at LIMIT 1"
     ),
-    # Waiting entries to dispatch without leases, oldest first: first deferred before :before.
+    # Waiting entries of :deployment to dispatch without leases, oldest first: first deferred
+    # before :before.
     "overdue": (
         "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
-        "WHERE dispatch_run_id IS NULL AND first_deferred_at < :before "
+        "WHERE deployment = :deployment AND dispatch_run_id IS NULL AND first_deferred_at < :before "
         "ORDER BY first_deferred_at, parked_at, task_id"
     ),
     "overdue_of": (
         "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
-        "WHERE dispatch_run_id IS NULL AND first_deferred_at < :before "
-        "AND (task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots) "
+        "WHERE deployment = :deployment AND dispatch_run_id IS NULL AND first_deferred_at < :before "
+        "AND (task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment) "
         "OR task_name IN :task_names) ORDER BY first_deferred_at, parked_at, task_id"
     ),
+    # A slot's waiting entries of :deployment, in their order (an operator's drain).
     "waiting_of_slot": (
         "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
-        "WHERE slot = :slot AND dispatch_run_id IS NULL ORDER BY first_deferred_at, parked_at, task_id"
+        "WHERE slot = :slot AND deployment = :deployment AND dispatch_run_id IS NULL "
+        "ORDER BY first_deferred_at, parked_at, task_id"
     ),
     "slots_of_tasks": "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN :task_ids",
     "waiters_all": (
@@ -430,18 +453,18 @@ POSTGRESQL_CALLS = {
     ),
     "park": (
         "SELECT concurrency_slots_park(%(slots)s, %(limits)s, %(task_id)s, %(run_id)s, %(holder)s, "
-        "%(lease_seconds)s, %(task_name)s, %(payload)s, %(first_deferred_at)s, %(max_waiters)s)"
+        "%(lease_seconds)s, %(task_name)s, %(payload)s, %(first_deferred_at)s, %(max_waiters)s, %(deployment)s)"
     ),
     "release": "DELETE FROM concurrency_slots WHERE run_id = %(run_id)s",
     "release_and_wake": (
         "SELECT o_deleted, o_task_id, o_run_id, o_payload, o_task_name "
-        "FROM concurrency_slots_release_and_wake(%(run_id)s, %(dispatch_lease_seconds)s)"
+        "FROM concurrency_slots_release_and_wake(%(run_id)s, %(dispatch_lease_seconds)s, %(deployment)s)"
     ),
     # Through the store's SQLAlchemy connection, inside its transaction (a release of a holder's
     # or a task's leases, a forget, a recovery).
     "wake": (
         "SELECT o_task_id, o_run_id, o_payload, o_task_name "
-        "FROM concurrency_slots_wake(%(slots)s, %(dispatch_lease_seconds)s)"
+        "FROM concurrency_slots_wake(%(slots)s, %(dispatch_lease_seconds)s, %(deployment)s)"
     ),
     "claim": (
         "SELECT concurrency_slots_claim(%(task_id)s, %(run_id)s, %(holder)s, %(lease_seconds)s, "

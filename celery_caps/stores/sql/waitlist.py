@@ -6,6 +6,10 @@ dispatch take a dispatch's leases before its entry (the lock order of :mod:`.lea
 change of an entry's state is conditional on the state it was read in (a waiting entry is
 dispatched only ``WHERE dispatch_run_id IS NULL``, and so on), so a step that lost a race to
 another changes nothing.
+
+Each entry records the deployment of the handle that parked it (:attr:`.SlotStore.deployment`),
+and every hand-over a handle makes (a release's wake, recovery, a readmit) reads only its own
+deployment's entries: the others keep their place, for their own deployment to dispatch.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ NO_PAYLOAD = b""
 
 class SQLStore(SQLLeaseStore, ParkingStore):
     """The SQL store: leases (:class:`.SQLLeaseStore`) and the waiting list, in portable SQL."""
+
+    @property
+    def _own(self) -> dict[str, Any]:
+        """The bind of this handle's deployment: the entries its hand-overs may dispatch."""
+        return {"deployment": self.deployment}
 
     # -- parking ------------------------------------------------------------------------------
 
@@ -80,6 +89,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                     "first_deferred_at": request.first_deferred_at,
                     "parked_at": parked_at,
                     "task_name": task_name,
+                    "deployment": self.dialect.exact(self.deployment),
                     "payload": request.payload,
                     "dispatches": dispatches,
                 }
@@ -102,8 +112,9 @@ class SQLStore(SQLLeaseStore, ParkingStore):
     def _dispatch(
         self, connection: Connection, locked: list[str], dispatch_lease_seconds: float, touching: set[str] | None
     ) -> list[Woken]:
-        """Dispatch, with leases, the oldest waiters of the ``locked`` slots (sentinels locked)
-        that have room and (if ``touching`` is given) wait for one of the slots ``touching``.
+        """Dispatch, with leases, the oldest waiters of this deployment of the ``locked`` slots
+        (sentinels locked) that have room and (if ``touching`` is given) wait for one of the slots
+        ``touching``.
 
         Room is counted against the slots' limits as their sentinels hold them now (read once:
         they are locked), never the limits the waiters were parked under; a slot without a limit
@@ -123,7 +134,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         after: dict[str, Any] = {"first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
         while True:
             rows = statements.execute(
-                connection, "waiting_rows", {"slots": locked, "batch": WAITING_BATCH, **after}
+                connection, "waiting_rows", {"slots": locked, "batch": WAITING_BATCH, **after, **self._own}
             ).all()
             waiting: dict[str, dict[str, Any]] = {}
             for task_id, slot, count, first, parked, task_name in rows:
@@ -189,12 +200,12 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         return sorted(as_text(row[0]) for row in rows)
 
     def _waiting_slots(self, connection: Connection, slots: Collection[str]) -> set[str]:
-        """Every slot of every waiting task that waits for one of ``slots``: those of ``slots``
-        with a waiting entry, and every slot of their waiters of several slots."""
-        waited = self._names(connection, "slots_waited_for", "slots", slots)
+        """Every slot of every waiting task of this deployment that waits for one of ``slots``:
+        those of ``slots`` with a waiting entry, and every slot of their waiters of several slots."""
+        waited = self._names(connection, "slots_waited_for", "slots", slots, self._own)
         if not waited:
             return waited
-        return waited | self._names(connection, "several_waiting_slots", "slots", waited)
+        return waited | self._names(connection, "several_waiting_slots", "slots", waited, self._own)
 
     def _wake_after_release(
         self, connection: Connection, released: list[str], dispatch_lease_seconds: float
@@ -352,8 +363,9 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         statements = self.statements
 
         def recover(connection: Connection) -> list[Woken]:
-            # The entries considered: every listed one, or (scoped) those waiting for a slot of
-            # ``caps`` and those of the tasks named in ``task_names``.
+            # The entries considered, of this deployment alone: every listed one, or (scoped) those
+            # waiting for a slot of ``caps`` and those of the tasks named in ``task_names``.
+            own = self._own
             of_slots: dict[str, Any] = {}
             considered: set[str] | None = None  # the slots they need (None: every slot)
             if scoped:
@@ -361,14 +373,14 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 for cap in cap_names:
                     # A cap: its slot and its keys'; a slot name (it has a ':'): that slot alone.
                     if ":" in cap:
-                        rows = statements.execute(connection, "listed_slot", {"cap": cap})
+                        rows = statements.execute(connection, "listed_slot", {"cap": cap, **own})
                     else:
-                        pattern = {"cap": cap, "pattern": statements.prefix_pattern(cap + ":")}
+                        pattern = {"cap": cap, "pattern": statements.prefix_pattern(cap + ":"), **own}
                         rows = statements.execute(connection, "cap_slots", pattern)
                     cap_slots.update(as_text(row[0]) for row in rows)
-                considered = self._names(connection, "listed_slots", "slots", cap_slots) if cap_slots else set()
+                considered = self._names(connection, "listed_slots", "slots", cap_slots, own) if cap_slots else set()
                 if names:
-                    considered |= self._names(connection, "named_slots", "task_names", names)
+                    considered |= self._names(connection, "named_slots", "task_names", names, own)
                 if not considered:
                     return []
                 of_slots = {"slots": sorted(cap_slots), "task_names": names}
@@ -376,27 +388,29 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             # claim takes them, one dispatch after the other in task order (so concurrent
             # recoveries never wait for each other in a circle).
             expired = "expired_dispatches_of" if scoped else "expired_dispatches"
-            now, deadline = statements.execute(connection, "next_dispatch_deadline").one()
+            now, deadline = statements.execute(connection, "next_dispatch_deadline", own).one()
             due: Sequence[Any] = []
             if deadline is not None and deadline <= now:
-                due = statements.execute(connection, expired, {**of_slots, "now": now}).all()
+                due = statements.execute(connection, expired, {**of_slots, **own, "now": now}).all()
             for task_id, dispatch_run_id in due:
                 dispatch = {"task_id": task_id, "run_id": dispatch_run_id}
                 statements.execute(connection, "delete_dispatch_leases", dispatch)
                 statements.execute(connection, "undispatch", dispatch)
             overdue: list[str] = []
-            first = None if readmit_before is None else statements.execute(connection, "first_waiting_since").scalar()
+            first = (
+                None if readmit_before is None else statements.execute(connection, "first_waiting_since", own).scalar()
+            )
             if readmit_before is not None and first is not None and first < readmit_before:
                 statement = "overdue_of" if scoped else "overdue"
-                rows = statements.execute(connection, statement, {"before": readmit_before, **of_slots})
+                rows = statements.execute(connection, statement, {"before": readmit_before, **of_slots, **own})
                 overdue = [as_text(row[0]) for row in rows]
             # The slots where a waiter may fit (read without locks: a slot that gains room after
             # this read is served by its release, or by the next recovery), and the other slots
             # their waiters need.
             if considered is None:
-                room = {as_text(row[0]) for row in statements.execute(connection, "all_slots_with_room")}
+                room = {as_text(row[0]) for row in statements.execute(connection, "all_slots_with_room", own)}
             else:
-                room = self._names(connection, "slots_with_room", "slots", considered)
+                room = self._names(connection, "slots_with_room", "slots", considered, own)
             walked = room | self._waiting_slots(connection, room)
             # Every sentinel at once, in slot order: readmits and dispatches change waiting entries
             # only under the locks of their slots, as a release's dispatches do.
@@ -412,7 +426,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
 
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
         def readmit(connection: Connection) -> list[Woken]:
-            rows = self.statements.execute(connection, "waiting_of_slot", {"slot": slot})
+            rows = self.statements.execute(connection, "waiting_of_slot", {"slot": slot, **self._own})
             task_ids = [as_text(row[0]) for row in rows]
             if not task_ids:
                 return []
