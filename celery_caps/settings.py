@@ -38,6 +38,8 @@ DEFAULTS: dict[str, Any] = {
     "caps_redis_master_name": None,  # Redis Sentinel: the master of sentinel:// or of a Sentinel object
     # Run on a Redis whose maxmemory-policy may evict any key (allkeys-*), with a warning, rather than refuse it.
     "caps_redis_allow_eviction": False,
+    # The deployment this app's workers serve, when several share a store; None: a digest of broker_url.
+    "caps_deployment": None,
     "caps_history_seconds": None,  # None: no history (explain and timeline see only the present)
     "caps_history_max_events": 10000,
     "caps_metrics_port": None,  # None: no metrics endpoint (also: celery worker --caps-metrics-port)
@@ -75,6 +77,31 @@ def _flag(conf: Mapping[str, Any], name: str) -> bool:
     value = conf.get(name, DEFAULTS[name])
     if not isinstance(value, bool):
         raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+#: Longest ``caps_deployment``, in characters.
+MAX_DEPLOYMENT_LENGTH = 64
+
+
+def _deployment(conf: Mapping[str, Any]) -> str:
+    """``caps_deployment``, or by default a digest of the app's broker URL (credentials left out):
+    two deployments sharing a store, each with its own broker, are told apart with no setting."""
+    value = conf.get("caps_deployment", DEFAULTS["caps_deployment"])
+    if value is None:
+        import hashlib
+
+        from .stores.base import mask_url
+
+        broker = getattr(conf, "broker_url", None) or conf.get("broker_url") or ""
+        if not isinstance(broker, str):  # a list of failover URLs
+            broker = ";".join(str(url) for url in broker)
+        return "broker-" + hashlib.sha1(mask_url(broker).encode()).hexdigest()[:12]
+    if not isinstance(value, str) or not value or len(value) > MAX_DEPLOYMENT_LENGTH or not value.isprintable():
+        raise ConfigurationError(
+            f"caps_deployment must be a printable string of 1 to {MAX_DEPLOYMENT_LENGTH} characters or None, "
+            f"got {value!r}"
+        )
     return value
 
 
@@ -153,6 +180,8 @@ class CapsSettings:
     redis_key_prefix: str = "caps"
     redis_master_name: str | None = None
     redis_allow_eviction: bool = False
+    #: The deployment this app's store handles serve (``caps_deployment``, or derived from the broker).
+    deployment: str = ""
 
     @property
     def store_options(self) -> StoreOptions:
@@ -164,6 +193,7 @@ class CapsSettings:
             self.redis_key_prefix,
             self.redis_master_name,
             redis_allow_eviction=self.redis_allow_eviction,
+            deployment=self.deployment,
         )
 
     @property
@@ -241,6 +271,7 @@ class CapsSettings:
             redis_key_prefix=key_prefix,
             redis_master_name=master_name,
             redis_allow_eviction=_flag(conf, "caps_redis_allow_eviction"),
+            deployment=_deployment(conf),
         )
 
     def require_url(self) -> Any:

@@ -265,9 +265,10 @@ class StoreCheck(threading.Thread):
     def report(result: CheckResult) -> None:
         logger.info(
             "celery-caps: the slot store %s works (a scratch slot taken, refused to a second run and given back "
-            "in %.0f ms)",
+            "in %.0f ms%s)",
             result.store,
             result.seconds * 1000,
+            f"; transactions at {result.isolation}" if result.isolation else "",
         )
         for warning in result.warnings:
             logger.error("celery-caps: %s", warning)
@@ -315,7 +316,11 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 "celery-caps: caps_url is memory://, which caps each worker process on its own: "
                 "prefork children and other workers do not share it. Use a SQL or Redis store for a fleet."
             )
-        logger.info("celery-caps: %d capped task(s) use the slot store %s", len(capped), display)
+        logger.info(
+            "celery-caps: %d capped task(s) use the slot store %s, as deployment %s%s",
+            len(capped), display, settings.deployment,
+            "" if app.conf.get("caps_deployment") else " (from broker_url; set caps_deployment to name it)",
+        )  # fmt: skip
         if settings.parking.uses_park and isinstance(store, ParkingStore):
             try:
                 durability = store.durability_warning()

@@ -31,6 +31,8 @@ class StoreOptions:
     #: ``caps_redis_allow_eviction``: run the Redis store on a server whose ``maxmemory-policy`` may
     #: evict any key (``allkeys-*``), with a warning, rather than refuse it.
     redis_allow_eviction: bool = False
+    #: ``caps_deployment``: the deployment the store's handle serves (see ``SlotStore.deployment``).
+    deployment: str = ""
 
 
 #: Builds a store from ``caps_url`` (a URL or a ready object) and the store settings.
@@ -49,7 +51,8 @@ def register_store(scheme: str, factory: StoreFactory) -> None:
 def store_from_url(target: Any, options: StoreOptions | None = None, *, create_schema: bool = True) -> SlotStore:
     """Build a store from ``caps_url``: a URL, a ready SQLAlchemy ``Engine``, a redis-py
     client (``Redis``, ``RedisCluster``, ``Sentinel``), or a :class:`SlotStore` instance
-    (returned as is).
+    (returned as is, with the deployment it was given).  A store built here serves the
+    deployment of ``options`` (``caps_deployment``).
 
     ``options`` are the store settings (``CapsSettings.store_options``); without them,
     the defaults with ``create_schema`` (whether the SQL store creates its tables on
@@ -61,8 +64,14 @@ def store_from_url(target: Any, options: StoreOptions | None = None, *, create_s
         MissingDependencyError: the store needs an extra that is not installed.
     """
     if isinstance(target, SlotStore):
-        return target
+        return target  # with the deployment its maker gave it
     options = options if options is not None else StoreOptions(create_schema=create_schema)
+    store = _build(target, options)
+    store.deployment = options.deployment
+    return store
+
+
+def _build(target: Any, options: StoreOptions) -> SlotStore:
     if isinstance(target, str):
         scheme = target.split("://", 1)[0].lower() if "://" in target else ""
         factory = _SCHEMES.get(scheme.split("+", 1)[0]) or _SCHEMES.get(scheme)

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from celery import Celery
 
 from celery_caps.messages import wake_queue_name
+from celery_caps.settings import CapsSettings
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import Lease, ParkingStore, SlotStore
 from tests.integration.fleetapp import Recorder, make_app, queue_name
@@ -457,9 +458,11 @@ class Fleet:
 
     @property
     def store(self) -> SlotStore:
-        """A store on the fleet's ``caps_url``, for inspecting ``concurrency_slots``."""
+        """A store on the fleet's ``caps_url``, for inspecting ``concurrency_slots``; a handle of
+        the fleet's own deployment (its app's settings), as its workers' are."""
         if self._store is None:
-            self._store = store_from_url(self.env["CAPS_FLEET_CAPS_URL"])
+            options = CapsSettings.from_conf(self.app.conf).store_options
+            self._store = store_from_url(self.env["CAPS_FLEET_CAPS_URL"], options)
         return self._store
 
     def leases(self, slot: str | None = None) -> list[Lease]:
