@@ -18,9 +18,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import sqlalchemy as sa
 
+from celery_caps import settings
 from celery_caps.stores.base import ParkOutcome, SlotStore, Woken
 from celery_caps.stores.sql import SQLStore
 from celery_caps.stores.sql.postgresql import PostgreSQLStore
+from celery_caps.stores.sql.schema import MAX_DEPLOYMENT_LENGTH
 from tests.services import REDIS_KINDS, StoreTarget
 from tests.unit.test_stores import (
     DISPATCH_LEASE,
@@ -149,6 +151,26 @@ def test_overdue_waiters_are_readmitted_only_by_their_own_deployment(
     woken = staging.recover(DISPATCH_LEASE, caps=[slot] if scoped else None, readmit_before=time.time())
     assert [(w.task_id, w.readmit) for w in woken] == [(f"{prefix}staging-task", True)]
     assert listed(production, slot) == [(f"{prefix}production-task", False), (f"{prefix}staging-task", True)]
+
+
+def test_deployment_names_match_exactly_at_their_longest(
+    production: SlotStore, staging: SlotStore, prefix: str
+) -> None:
+    # Given: deployment names that a case-folding, space-padding collation would merge, and one
+    # as long as caps_deployment allows, outside ASCII
+    assert MAX_DEPLOYMENT_LENGTH >= settings.MAX_DEPLOYMENT_LENGTH
+    production.deployment, staging.deployment = "Staging", "staging "
+    slot = f"{prefix}quota"
+    running = admit(production, {slot: 1}, f"{prefix}production-run")
+    assert park(staging, {slot: 1}, f"{prefix}staging-task", 1.0) == ParkOutcome.PARKED
+    # When: "Staging" releases; Then: it leaves the waiter of "staging " where it is
+    assert production.release_and_wake(running, DISPATCH_LEASE) == (1, [])
+    assert production.readmit(slot, DISPATCH_LEASE) == []
+    staging.deployment = "é" * settings.MAX_DEPLOYMENT_LENGTH
+    running = admit(staging, {f"{slot}-long": 1}, f"{prefix}staging-run")
+    assert park(staging, {f"{slot}-long": 1}, f"{prefix}long-task", 1.0) == ParkOutcome.PARKED
+    _, woken = staging.release_and_wake(running, DISPATCH_LEASE)
+    assert [w.task_id for w in woken] == [f"{prefix}long-task"]
 
 
 # -- what a hand-over reads ---------------------------------------------------------------
