@@ -126,3 +126,12 @@ def test_check_of_a_failing_store_shows_no_password_of_the_query_string(case: st
     [line] = result.output.strip().splitlines()
     assert line.startswith("Error: ") and "=***" in line, line
     assert SECRET not in result.output
+
+
+def test_a_bad_prepare_threshold_is_refused_without_the_password_of_the_query_string() -> None:
+    from celery_caps.errors import ConfigurationError
+    from celery_caps.stores import store_from_url
+
+    with pytest.raises(ConfigurationError, match="prepare_threshold") as caught:
+        store_from_url("postgresql+psycopg://app@127.0.0.1:1/app?password=s3cret-pw&prepare_threshold=often")
+    assert "s3cret-pw" not in str(caught.value), caught.value

@@ -160,8 +160,8 @@ def dialect_of(engine: Engine) -> Dialect:
     dialect = _DIALECTS.get(engine.dialect.name)
     if dialect is None:
         raise ConfigurationError(
-            f"caps_url {engine.url.render_as_string(hide_password=True)!r}: the SQL store supports PostgreSQL, "
-            f"MySQL/MariaDB and SQLite, not {engine.dialect.name!r}"
+            f"caps_url {mask_url(engine.url.render_as_string(hide_password=False))!r}: the SQL store supports "
+            f"PostgreSQL, MySQL/MariaDB and SQLite, not {engine.dialect.name!r}"
         )
     return dialect
 
@@ -201,7 +201,7 @@ def prepare_threshold(url: sa.engine.URL) -> tuple[bool, int | None]:
     if text.isdigit():
         return True, int(text)
     raise ConfigurationError(
-        f"caps_url {url.render_as_string(hide_password=True)!r}: {PREPARE_THRESHOLD}={text!r} is neither a "
+        f"caps_url {mask_url(url.render_as_string(hide_password=False))!r}: {PREPARE_THRESHOLD}={text!r} is neither a "
         "number of executions (0 or more) nor 'none' (never prepare: needed behind a transaction pooler)"
     )
 
@@ -278,7 +278,7 @@ def _configure_psycopg_sessions(engine: Engine, *, prepare: bool) -> None:
             reported.append(True)
             logger.info(
                 "%s: connected through a connection pooler; server-side prepared statements are off",
-                engine.url.render_as_string(hide_password=True),
+                mask_url(engine.url.render_as_string(hide_password=False)),
             )
 
 

@@ -29,7 +29,7 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from ..base import Admission, ClaimOutcome, ParkOutcome, ParkRequest, Woken
+from ..base import Admission, ClaimOutcome, ParkOutcome, ParkRequest, Woken, mask_url
 from .dialects import READ_COMMITTED, SESSION_ISOLATION, behind_pooler, read_committed_session
 from .leases import _cut
 from .schema import SCHEMA_VERSION
@@ -242,7 +242,7 @@ class DriverPool:
                 "call runs in a transaction of its own at READ COMMITTED (two more round trips); set "
                 "default_transaction_isolation = 'read committed' for the role or the database (ALTER ROLE ... "
                 "IN DATABASE ... SET) to save them",
-                self._engine.url.render_as_string(hide_password=True),
+                mask_url(self._engine.url.render_as_string(hide_password=False)),
                 isolation,
             )
 
