@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import ParkingStore, ParkOutcome, ParkRequest
 from tests.integration.ops import free_port, wait_for
+from tests.integration.test_worker_start import stop
 
 pytestmark = [pytest.mark.fleet, pytest.mark.sqlite]
 
@@ -94,18 +95,9 @@ def workers(tmp_path: Path) -> Iterator[dict[str, int]]:
                  "-n", f"{name}@%h"],
                 cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
-            logs.callback(_stop, worker)
+            logs.callback(stop, worker)
             ports[name] = port
         yield ports
-
-
-def _stop(worker: subprocess.Popen[bytes]) -> None:
-    worker.terminate()
-    try:
-        worker.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        worker.kill()
-        worker.wait()
 
 
 def test_each_apps_metrics_endpoint_shows_only_its_own_caps(tmp_path: Path, workers: dict[str, int]) -> None:

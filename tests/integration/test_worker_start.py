@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.services import require_service
 
 pytestmark = [pytest.mark.memory]
+
+#: The root of this tree: its celery_caps is the one a worker started here imports.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 APP = textwrap.dedent(
     """
@@ -30,13 +36,15 @@ APP = textwrap.dedent(
 )
 
 
-def worker_start_output(tmp_path: Path, app_source: str, until: str) -> str:
-    """Start ``celery -A startapp worker`` (solo pool) on ``app_source``; its output up to the
-    first line containing ``until`` (or a minute), then stop it."""
+def worker_start_output(tmp_path: Path, app_source: str, until: str, *, loglevel: str = "warning") -> str:
+    """Start ``celery -A startapp worker`` (solo pool) on ``app_source``, with this tree's
+    celery_caps; its output up to the first line containing ``until`` (or a minute, even if the
+    worker goes quiet), then stop it."""
     (tmp_path / "startapp.py").write_text(app_source)
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    path = [str(tmp_path), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "startapp", "worker", "-P", "solo", "-l", "warning"],
+        [sys.executable, "-m", "celery", "-A", "startapp", "worker", "-P", "solo", "-l", loglevel],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -44,27 +52,45 @@ def worker_start_output(tmp_path: Path, app_source: str, until: str) -> str:
         text=True,
         start_new_session=True,
     )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        assert worker.stdout is not None
+        for line in worker.stdout:
+            lines.put(line)
+        lines.put("")  # the end of its output
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     output = ""
     try:
         deadline = time.monotonic() + 60
-        assert worker.stdout is not None
-        while time.monotonic() < deadline:
-            line = worker.stdout.readline()
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = lines.get(timeout=left)
+            except queue.Empty:
+                break
             if not line:
                 break
             output += line
             if until in line:
                 break
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
+        stop(worker)
+        reader.join(timeout=5)
         if worker.stdout is not None:
             worker.stdout.close()
     return output
+
+
+def stop(process: subprocess.Popen[Any], timeout: float = 20) -> None:
+    """Stop ``process`` (SIGTERM, then SIGKILL after ``timeout`` seconds) and reap it."""
+    process.terminate()
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def test_a_worker_on_the_memory_store_warns_that_it_caps_nothing_across_processes(tmp_path: Path) -> None:

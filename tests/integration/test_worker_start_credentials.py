@@ -4,22 +4,18 @@ the query string (``?password=``) included, whether the store works or cannot be
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+from tests.integration.test_worker_start import worker_start_output
 from tests.services import require_service
 
 pytestmark = [pytest.mark.postgres]
 
 SECRET = "s3cret-pw"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 APP = textwrap.dedent(
     """
@@ -37,42 +33,8 @@ APP = textwrap.dedent(
 
 
 def worker_output(tmp_path: Path, url: str, until: str) -> str:
-    """Start ``celery -A startapp worker`` (solo pool, INFO) on a store at ``url``; its output up
-    to the first line containing ``until`` (or a minute), then stop it."""
-    (tmp_path / "startapp.py").write_text(APP.format(url=url))
-    # This tree's celery_caps, whatever the environment has installed.
-    path = [str(tmp_path), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "startapp", "worker", "-P", "solo", "-l", "info"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    output = ""
-    try:
-        deadline = time.monotonic() + 60
-        assert worker.stdout is not None
-        while time.monotonic() < deadline:
-            line = worker.stdout.readline()
-            if not line:
-                break
-            output += line
-            if until in line:
-                break
-    finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait()
-        if worker.stdout is not None:
-            worker.stdout.close()
-    return output
+    """The output of a worker (solo pool, INFO) on a store at ``url``, up to ``until``."""
+    return worker_start_output(tmp_path, APP.format(url=url), until, loglevel="info")
 
 
 def with_password_in_query(url: str) -> str:

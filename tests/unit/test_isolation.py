@@ -35,6 +35,7 @@ from celery_caps.stores import store_from_url
 from celery_caps.stores.base import SlotStore
 from celery_caps.stores.sql import SQLStore
 from celery_caps.stores.sql.postgresql import PostgreSQLStore
+from tests.integration.test_worker_start import stop
 from tests.services import require_service
 
 #: Clients racing for the last slot, and rounds of the race.
@@ -398,12 +399,7 @@ def statement_binlog_mariadb() -> Iterator[str]:
         yield url
     finally:
         if process is not None:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop(process, timeout=60)
         shutil.rmtree(directory, ignore_errors=True)
 
 
