@@ -8,6 +8,8 @@ fleet also holds a client app (to send tasks and ping workers) and reads the
 
 Everything a fleet creates is named after its unique prefix (cap names, queues,
 Redis keys, the control exchange), so several test runs can share the servers.
+Two fleets of one test may share their caps (``cap_prefix``): two deployments of one
+project sharing a store.
 """
 
 from __future__ import annotations
@@ -255,6 +257,12 @@ class Fleet:
         #: Exchanges of this fleet's own (declared through ``task_queues``), deleted on an AMQP broker.
         self.extra_exchanges: set[str] = set()
 
+    @property
+    def cap_prefix(self) -> str:
+        """The prefix of this fleet's slot names (its caps'): the fleet's own prefix, unless it
+        shares its caps with another fleet (``CAPS_FLEET_CAP_PREFIX``)."""
+        return self.env.get("CAPS_FLEET_CAP_PREFIX") or self.prefix
+
     # -- workers ------------------------------------------------------------------
 
     def start(
@@ -466,9 +474,10 @@ class Fleet:
         return self._store
 
     def leases(self, slot: str | None = None) -> list[Lease]:
-        """This fleet's leases (live or expired), of one slot name if given."""
+        """This fleet's leases (live or expired), of one slot name if given (those of every fleet
+        sharing its caps)."""
         leases = self.store.leases(slot)
-        return [lease for lease in leases if lease.slot.startswith(self.prefix)]
+        return [lease for lease in leases if lease.slot.startswith(self.cap_prefix)]
 
     def wait_all_done(self, task_ids: Collection[str], timeout: float, interval: float = 0.25) -> None:
         """Wait until every task of ``task_ids`` completed at least once; the failure says how many did."""
@@ -511,13 +520,13 @@ class Fleet:
         slot it used has no holder and no expired lease.  Returns the rows the sweep deleted."""
         swept = self.store.sweep()
         assert self.leases() == [], self.leases()
-        own = [status for status in self.store.status() if status.slot.startswith(self.prefix)]
+        own = [status for status in self.store.status() if status.slot.startswith(self.cap_prefix)]
         assert own and all(status.holders == 0 and status.expired == 0 for status in own), own
         return swept
 
     def slot(self, name: str) -> str:
         """The full slot name of ``name`` (``"provider"``, ``"tenant:a"``, ``"one:<scope>"``)."""
-        return f"{self.prefix}{name}"
+        return f"{self.cap_prefix}{name}"
 
     # -- clean-up -----------------------------------------------------------------
 
@@ -556,7 +565,7 @@ class Fleet:
                 for exchange in (*own, *sorted(self.extra_exchanges)):
                     channel.exchange_delete(exchange)
         if self._store is not None:
-            delete_slot_rows(self._store, self.prefix)
+            delete_slot_rows(self._store, self.cap_prefix)
             self._store.close()
         self.app.close()
 

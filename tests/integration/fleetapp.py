@@ -35,6 +35,9 @@ ENV: dict[str, str | None] = {
     "CAPS_FLEET_CAPS_URL": None,  # unset: the app has no caps_url
     "CAPS_FLEET_COUNTER_URL": "redis://127.0.0.1:6379/13",
     "CAPS_FLEET_PREFIX": "tfleet-",
+    # The prefix of the caps' names (so of their slots); unset: CAPS_FLEET_PREFIX.  Two fleets
+    # given the same one share their caps in a shared store, as two deployments of one project do.
+    "CAPS_FLEET_CAP_PREFIX": None,
     "CAPS_FLEET_LEASE": "5",
     "CAPS_FLEET_BACKOFF_MIN": "0.05",
     "CAPS_FLEET_BACKOFF_MAX": "1.0",
@@ -268,15 +271,17 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
 def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str, str]) -> None:
     provider_limit = int(setting(env, "CAPS_FLEET_PROVIDER_LIMIT") or 4)
     tenant_limit = int(setting(env, "CAPS_FLEET_TENANT_LIMIT") or 2)
-    provider = Cap(f"{prefix}provider", provider_limit)
-    tenant = Cap(f"{prefix}tenant", tenant_limit, key=lambda tenant, *_, **__: tenant)
+    # Slot names (the caps') start with the cap prefix; everything else is named after ``prefix``.
+    caps = setting(env, "CAPS_FLEET_CAP_PREFIX") or prefix
+    provider = Cap(f"{caps}provider", provider_limit)
+    tenant = Cap(f"{caps}tenant", tenant_limit, key=lambda tenant, *_, **__: tenant)
     # Lifecycle tests: a cap of 1 per scope (each test passes its own scope first).
-    one = Cap(f"{prefix}one", 1, key=lambda scope, *_, **__: scope)
-    two = Cap(f"{prefix}two", 1, key=lambda scope, *_, **__: scope)
+    one = Cap(f"{caps}one", 1, key=lambda scope, *_, **__: scope)
+    two = Cap(f"{caps}two", 1, key=lambda scope, *_, **__: scope)
     # Retry tests: a cap of 2 per scope.
-    duo = Cap(f"{prefix}duo", 2, key=lambda scope, *_, **__: scope)
+    duo = Cap(f"{caps}duo", 2, key=lambda scope, *_, **__: scope)
     # Hostile-input tests: a cap of 1 per key, with an odd name and whatever key odd_key makes.
-    odd = Cap(f"{prefix}{ODD_CAP_NAME}", 1, key=odd_key)
+    odd = Cap(f"{caps}{ODD_CAP_NAME}", 1, key=odd_key)
 
     def run_body(
         task: Any, counters: Sequence[str], seconds: float, midway: Callable[[], None] | None = None, **extra: Any
@@ -357,7 +362,7 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
         if self.request.retries == 0:
             recorder.client.hset(recorder.key("retry-first-run"), self.request.id, result["run_id"] or "")
             raise self.retry(countdown=0.3)
-        leases = runtime_for(self.app).store.leases(f"{prefix}one:{scope}")
+        leases = runtime_for(self.app).store.leases(f"{caps}one:{scope}")
         result["leases_seen"] = [(lease.task_id, lease.run_id) for lease in leases]
         return result
 
@@ -368,7 +373,7 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
         from celery_caps.runtime import runtime_for
 
         scope = body[0][0]
-        leases = runtime_for(app).store.leases(f"{prefix}one:{scope}")
+        leases = runtime_for(app).store.leases(f"{caps}one:{scope}")
         document = json.dumps([[lease.task_id, lease.run_id] for lease in leases])
         recorder.client.hset(recorder.key("leases-at-retry"), headers["id"], document)
 
@@ -440,7 +445,7 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
         """Reports the leases of its own slot, as the store shows them while the body runs."""
         from celery_caps.runtime import runtime_for
 
-        leases = runtime_for(self.app).store.leases(f"{prefix}one:{scope}")
+        leases = runtime_for(self.app).store.leases(f"{caps}one:{scope}")
         return {
             "task_id": self.request.id,
             "run_id": getattr(self.request, "caps_run_id", None),
