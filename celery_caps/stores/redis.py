@@ -41,9 +41,9 @@ key                            type    content
                                        member per entry, waiting or dispatched: score
                                        = first-deferral time, member = park time (Redis
                                        ``TIME`` as fixed-width text) + a signature of
-                                       the task's slot names + task id, so the set's
-                                       own order is the waiting order (first
-                                       deferral, then park time)
+                                       the task's slot names and deployment + task id,
+                                       so the set's own order is the waiting order
+                                       (first deferral, then park time)
 ``P:waiting``                  HASH    task id -> MessagePack record of an entry: first
                                        deferral, park time, task name, dispatch run id
                                        and deadline (empty while waiting), how many
@@ -56,6 +56,13 @@ key                            type    content
                                        (what ``recover`` walks)
 ``P:dispatches``               ZSET    dispatched task id -> dispatch deadline;
                                        ``recover`` finds unclaimed dispatches here
+``P:deployments``              HASH    task id -> the deployment of the handle that
+                                       parked the entry, for entries of a deployment
+                                       other than ``""`` (an entry without one is of
+                                       ``""``); deleted with the entry
+``P:slot:{E}:waiters:D``       ZSET    the members of ``P:slot:{E}:waiters`` whose
+                                       entries are of deployment ``D`` (not ``""``),
+                                       as there: the list a handle of ``D`` walks
 ``P:done:<task id>``           STRING  a tombstone: MessagePack (the claimed dispatch's
                                        run id, the holder that claimed it, the count
                                        of dispatches), with a TTL of ``done_seconds``
@@ -73,8 +80,24 @@ walking a list once its slot is full.  A waiter passed over because another of i
 slots is full marks its signature, so the waiters behind it that need the same
 slots are passed over without reading their records (one ``ZSCORE`` each, for the
 case where a task id already holds that slot).  ``park`` of a task id listed
-already changes nothing: the entry answers for it if it has the same task name and
-slot names, else the id is in use by another task.
+already changes nothing: the entry answers for it if it has the same task name
+(whatever slots the copy asks for now), else the id is in use by another task.
+
+Deployments sharing the store (:attr:`~celery_caps.stores.base.SlotStore.deployment`):
+``park`` records the handle's deployment ``D`` in ``P:deployments`` and puts the entry's
+member in ``P:slot:{E}:waiters:D`` too, and every script that dispatches (each release
+and wake, ``forget``, ``recover``, ``readmit``) takes the handle's deployment and
+dispatches only entries of it: a handle of deployment ``D`` walks those lists of its own,
+so a hand-over never reads another deployment's waiters, however many wait ahead of its
+own (``recover`` looks up each expired dispatch's deployment, and leaves another's as it
+is).  The others keep their place; the slots, their limits and leases, and the lists of
+every deployment (``waiters``, a list's length for ``max_waiters``, ``prune``) are
+shared.  A handle without a deployment (``""``) walks the lists of every deployment and
+passes over the entries that have one: as the signature in a waiters member covers the
+deployment, it reads ``P:deployments`` once per signature it meets, and nothing more
+when no entry has a deployment (``P:deployments`` does not exist).  An entry without a
+deployment (parked by such a handle, or before deployments existed) is only ever
+dispatched by such a handle.
 
 An entry leaves the list when a copy claims it (or ``forget`` drops it).  If it
 was dispatched more than once (or is forgotten while dispatched), copies of an
@@ -86,11 +109,12 @@ No operation uses ``KEYS`` or ``SCAN``: renewing or releasing a run costs its ow
 leases, releasing a task costs its own runs, the sweep costs the expired leases
 (plus ``log n``), admission costs ``O(log n)`` per slot; parking costs
 ``O(log n)`` per slot, a release with waiters the waiters it passes over (about
-2 µs of Redis time each), ``recover`` the unclaimed dispatches, the waiters of the
-caps it serves, with task names the waiters of every other list (their records
-tell their task names), and the waiters it passes over.  Empty sets disappear by
-themselves; after every lease is released and every waiter has run, only
-``P:limits`` (and tombstones, until they expire) remains.
+2 µs of Redis time each; a handle without a deployment also passes over every entry
+of another deployment, about 2 µs each), ``recover`` the unclaimed dispatches, the
+waiters of the caps it serves, with task names the waiters of every other list
+(their records tell their task names), and the waiters it passes over.  Empty sets
+disappear by themselves; after every lease is released and every waiter has run,
+only ``P:limits`` (and tombstones, until they expire) remains.
 
 Redis Cluster
 -------------
@@ -101,10 +125,11 @@ run and task indexes (``P:runs``, ``P:expiry``, ``P:task:...``), which releasing
 run id, task id or holder needs, and which no hash tag can put next to every slot
 at once; a multi-slot admission touches several slots' tags as well.  Parking is
 the same: a park writes the store-wide waiting-list keys (``P:waiting``,
-``P:payloads``, ``P:waitlists``, ``P:done:...``), a multi-slot park (a task with several caps)
-writes the waiting lists of several slots, and a release dispatches waiters whose
-other slots, and their lists, live under other tags.  A script may only touch keys
-of one hash slot on a cluster, so on Redis Cluster every key of the store is
+``P:payloads``, ``P:waitlists``, ``P:deployments``, ``P:done:...``), a multi-slot
+park (a task with several caps) writes the waiting lists of several slots, and a
+release dispatches waiters whose other slots, and their lists, live under other
+tags.  A script may only touch keys of one hash slot on a cluster, so on Redis
+Cluster every key of the store is
 co-located: the store gives its prefix a hash tag of its own (``caps`` becomes
 ``{caps}``, see :func:`~celery_caps.stores.redis_clients.hash_tagged`; Cluster
 hashes only the first ``{...}`` of a key), which puts the whole store on one shard.
@@ -655,6 +680,7 @@ class RedisStore(ParkingStore):
             "0" if payload is None else "1",
             self._seconds(request.first_deferred_at, "first_deferred_at"),
             str(int(request.max_waiters)),
+            _encode(self.deployment),
         ]
         for slot in sorted(request.slots):
             keys.extend((*self.slot_keys(slot), self.waiters_key(slot)))
@@ -672,13 +698,19 @@ class RedisStore(ParkingStore):
             for i in range(0, len(reply), 5)
         ]  # fmt: skip
 
+    def _hand_over_args(self) -> list[bytes | str]:
+        """The arguments every script that dispatches entries starts with: the prefix, and the
+        deployment of this handle (:attr:`deployment`, read at each call: the library sets it after
+        building the store), whose entries alone it dispatches."""
+        return [self._prefix, _encode(self.deployment)]
+
     def _done_milliseconds(self) -> str:
         """How long a tombstone lasts (``done_seconds``, read at each call: tests shorten it)."""
         return str(math.ceil(float(self._seconds(self.done_seconds, "done_seconds")) * 1000))
 
     def _release_and_wake(self, dispatch_lease_seconds: float, what: Sequence[bytes]) -> tuple[int, list[Woken]]:
         args: list[bytes | str] = [
-            self._prefix,
+            *self._hand_over_args(),
             self._seconds(dispatch_lease_seconds),
             _run_id_nonce(),
             *what,
@@ -717,7 +749,7 @@ class RedisStore(ParkingStore):
 
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         args: list[bytes | str] = [
-            self._prefix,
+            *self._hand_over_args(),
             _encode(task_id),
             self._seconds(dispatch_lease_seconds),
             _run_id_nonce(),
@@ -736,7 +768,7 @@ class RedisStore(ParkingStore):
         readmit_before: float | None = None,
     ) -> list[Woken]:
         args: list[bytes | str] = [
-            self._prefix,
+            *self._hand_over_args(),
             self._seconds(dispatch_lease_seconds),
             _run_id_nonce(),
             "" if readmit_before is None else self._seconds(readmit_before, "readmit_before"),
@@ -751,7 +783,7 @@ class RedisStore(ParkingStore):
 
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
         args: list[bytes | str] = [
-            self._prefix,
+            *self._hand_over_args(),
             self._seconds(dispatch_lease_seconds),
             _run_id_nonce(),
             _encode(slot),

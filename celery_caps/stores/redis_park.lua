@@ -7,8 +7,9 @@
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches, the task's run
 --       set, the task's tombstone, then per slot: its runs, its tasks, its waiters
 -- ARGV: prefix, task id, run id, holder, lease seconds, task name ('' if none), payload,
---       '1' if a payload is given else '0', first-deferral time, max waiters, then per slot
---       (sorted): name, limit
+--       '1' if a payload is given else '0', first-deferral time, max waiters, the deployment
+--       of the store's handle ('' for none: recorded with the entry), then per slot (sorted):
+--       name, limit
 -- Returns 'waiting' (the entry is of the same task name: nothing changed),
 -- 'id_in_use' (it is another task's: nothing changed), 'admitted', 'full' (no payload: nothing
 -- stored), 'waitlist_full' (a slot has max waiters already: nothing stored) or 'parked'.  Only
@@ -18,8 +19,8 @@ local limits_key, runs_key, expiry_key = KEYS[1], KEYS[2], KEYS[3]
 local keys = waitlist_keys()
 local prefix, task_id, run_id, holder = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local lease_seconds, task_name, payload, has_payload = tonumber(ARGV[5]), ARGV[6], ARGV[7], ARGV[8] == '1'
-local first_deferred_at, max_waiters = ARGV[9], tonumber(ARGV[10])
-local FIRST_SLOT = 11
+local first_deferred_at, max_waiters, deployment = ARGV[9], tonumber(ARGV[10]), ARGV[11]
+local FIRST_SLOT = 12
 local FIRST_SLOT_KEY = 10
 local slot_count = (#ARGV - FIRST_SLOT + 1) / 2
 local now, now_text = now_with_text()
@@ -83,7 +84,7 @@ end
 local done = read_done(KEYS[9])
 redis.call('DEL', KEYS[9])
 local dispatches = done ~= nil and done[3] or 0
-local record = { first_deferred_at, now_text, task_name, '', '', dispatches, slots_signature(names) }
+local record = { first_deferred_at, now_text, task_name, '', '', dispatches, slots_signature(names, deployment) }
 for i = 1, slot_count do
   record[#record + 1] = names[i]
 end
@@ -93,5 +94,13 @@ local member = waiter_member(record, task_id)
 for i = 1, slot_count do
   redis.call('ZADD', waiters_keys[i], first_deferred_at, member)
   redis.call('SADD', keys.waitlists, names[i])
+end
+-- An entry of a named deployment is also in that deployment's own list of each slot, which its
+-- hand-overs walk.
+if deployment ~= '' then
+  redis.call('HSET', deployments_key(prefix), task_id, deployment)
+  for i = 1, slot_count do
+    redis.call('ZADD', deployment_waiters_key(prefix, names[i], deployment), first_deferred_at, member)
+  end
 end
 return 'parked'

@@ -7,20 +7,29 @@
 -- cap, or "<cap>:<key>" for a cap name without ':'; a slot name is that slot alone) or of a
 -- task named are considered, with (to keep the order fair)
 -- the other waiters of the slots those need.  Finding the entries of the tasks named reads
--- the records of the waiters of every other slot's list.
+-- the records of the waiters of every other slot's list.  Only entries of the handle's
+-- deployment are considered at all: the others (their expired dispatches included) are left
+-- as they are, in their place.
 --
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
--- ARGV: prefix, dispatch lease seconds, run id nonce, readmit time (epoch seconds, '' for
---       none) [, number of cap names, cap name, ..., task name, ...] (no scope: every entry)
+-- ARGV: prefix, deployment, dispatch lease seconds, run id nonce, readmit time (epoch seconds,
+--       '' for none) [, number of cap names, cap name, ..., task name, ...] (no scope: every
+--       entry)
 -- Returns {task id, run id, task name, payload, readmit, ...}: the readmits, then the
 -- dispatches, each oldest first.
 
 local runs_key, expiry_key = KEYS[2], KEYS[3]
 local keys = waitlist_keys()
-local prefix, lease_seconds, nonce, readmit_before = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local SCOPE = 5
+local prefix, deployment, lease_seconds, nonce = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local readmit_before = ARGV[5]
+local SCOPE = 6
 local now = now_seconds()
 local next_run_id = run_id_source(runs_key, nonce)
+-- The lists of the handle's deployment, and a test of the entries read from them.
+local lists = handle_lists(prefix, deployment)
+local function own(task_id, member)
+  return lists.test == nil or lists.test(task_id, member)
+end
 
 -- caps: nil without a scope (every entry is considered); task_names: name -> true.
 local caps, task_names = nil, {}
@@ -72,7 +81,7 @@ for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', sc
   local record = read_waiter(keys.waiting, task_id)
   if record == nil then
     redis.call('ZREM', keys.dispatches, task_id)
-  elseif in_scope(record) then
+  elseif in_scope(record) and lists.owns(task_id) then
     if not is_waiting(record) then
       delete_dispatch(prefix, runs_key, expiry_key, task_id, record[RECORD_RUN_ID])
       record[RECORD_RUN_ID], record[RECORD_DEADLINE] = '', ''
@@ -82,22 +91,23 @@ for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', sc
   end
 end
 
--- The lists of the caps' slots (every list without a scope), whose entries are all considered;
--- and, in the other lists, the members (with their scores) of the entries of the tasks named,
--- an entry of several such lists once, and the slots those entries wait for.
+-- The lists of the caps' slots (every list without a scope), whose entries (of the handle's
+-- deployment) are all considered; and, in the other lists, the members (with their scores) of
+-- the entries of the tasks named, an entry of several such lists once, and the slots those
+-- entries wait for.
 local named, of_names, names_slots, seen = {}, {}, {}, {}
 for _, slot in ipairs(redis.call('SMEMBERS', keys.waitlists)) do
   if of_caps(slot) then
     named[#named + 1] = slot
   elseif by_task_name then
     local members = {}
-    collect_members(prefix, slot, '+inf', members)
+    collect_members(lists.key(slot), '+inf', members)
     for _, entry in ipairs(members) do
       local task_id = waiter_task_id(entry.member)
       if not seen[task_id] then
         seen[task_id] = true
-        local record = read_waiter(keys.waiting, task_id)
-        if record ~= nil and named_task(record) then
+        local record = own(task_id, entry.member) and read_waiter(keys.waiting, task_id)
+        if record and named_task(record) then
           of_names[#of_names + 1] = entry
           for j = RECORD_SLOTS, #record do
             names_slots[#names_slots + 1] = record[j]
@@ -113,22 +123,22 @@ if readmit_before ~= '' then
   local overdue = {}
   local before = tonumber(readmit_before)
   for _, slot in ipairs(named) do
-    collect_members(prefix, slot, '(' .. score_text(before), overdue)
+    collect_members(lists.key(slot), '(' .. score_text(before), overdue)
   end
   for _, entry in ipairs(of_names) do
     if entry.score < before then
       overdue[#overdue + 1] = entry
     end
   end
-  readmit_members(prefix, runs_key, expiry_key, keys, overdue, now, lease_seconds, next_run_id, woken)
+  readmit_members(prefix, runs_key, expiry_key, keys, overdue, now, lease_seconds, next_run_id, lists, woken)
 end
 
 local slots
 if not scoped then
   slots = named
 else
-  -- The caps' slots and every slot their waiting (not dispatched) entries need, and the slots
-  -- of the entries of the tasks named.
+  -- The caps' slots and every slot their waiting (not dispatched) entries of this deployment
+  -- need, and the slots of the entries of the tasks named.
   slots = {}
   local listed = {}
   local function add(slot)
@@ -138,12 +148,13 @@ else
     end
   end
   for _, slot in ipairs(named) do
-    local waiters_key = slot_key(prefix, slot, 'waiters')
+    local waiters_key = lists.key(slot)
     if redis.call('EXISTS', waiters_key) == 1 then
       add(slot)
       for _, member in ipairs(redis.call('ZRANGE', waiters_key, 0, -1)) do
-        local record = read_waiter(keys.waiting, waiter_task_id(member))
-        if record ~= nil and is_waiting(record) then
+        local task_id = waiter_task_id(member)
+        local record = own(task_id, member) and read_waiter(keys.waiting, task_id)
+        if record and is_waiting(record) then
           for j = RECORD_SLOTS, #record do
             add(record[j])
           end
@@ -156,4 +167,4 @@ else
   end
 end
 
-return dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, lease_seconds, next_run_id, woken)
+return dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, lease_seconds, next_run_id, lists, woken)

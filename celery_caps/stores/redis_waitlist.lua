@@ -5,19 +5,29 @@
 --   P:slot:{E}:waiters  ZSET  one member per task waiting for the slot (dispatched or
 --                             not): score = first-deferral time, member = park time
 --                             (fixed-width text of Redis TIME), the signature of the
---                             task's slot names (below), then the task id; so the set's own
---                             order (score, then member bytes) is the waiting order:
---                             first deferral, then park time (unique per park)
+--                             task's slot names and deployment (below), then the task id;
+--                             so the set's own order (score, then member bytes) is the
+--                             waiting order: first deferral, then park time (unique per park)
 --   P:waiting           HASH  task id -> MessagePack record (below), waiting or dispatched
 --   P:payloads          HASH  task id -> its message (opaque bytes)
 --   P:waitlists         SET   the slot names whose waiters set is not empty
 --   P:dispatches        ZSET  dispatched task id -> dispatch deadline
+--   P:deployments       HASH  task id -> the deployment of the handle that parked the entry, for
+--                             entries of a deployment other than '' (an entry without one is of
+--                             deployment '')
+--   P:slot:{E}:waiters:<deployment>  ZSET  the members of the slot's waiting list that are of
+--                             that (non-empty) deployment, as they are in P:slot:{E}:waiters
+--                             (which holds every deployment's)
 --   P:done:<task id>    STRING  a tombstone: MessagePack { the claimed (or last) dispatch's run id,
 --                             the holder that claimed it ('' if forgotten), the entry's count of
 --                             dispatches }, expiring (PEXPIRE) after the store's done_seconds
+-- (P:deployments and the deployments' lists are derived from the prefix here, as the slots'
+-- keys are.)
 --
 -- Parking scripts take the same first KEYS: limits, runs, expiry, waiting, payloads,
--- waitlists, dispatches.
+-- waitlists, dispatches.  Every script that hands entries over (dispatches them) takes the
+-- deployment of the store's handle in ARGV, and dispatches only entries of that deployment
+-- (see handle_lists): the others are passed over and keep their place.
 
 -- The holder of a dispatch lease until its task claims it.
 local DISPATCH_HOLDER = 'caps-dispatch'
@@ -32,9 +42,10 @@ local SIGNATURE_WIDTH = 16
 -- (with leases or without), signature, slot name, slot name, ... } (names sorted).  It holds
 -- no limit: a waiter is dispatched against its slots' limits as the limits hash holds them
 -- then (the sentinels, written by every admission), never the limits it parked with.  The
--- signature (16 hex digits of the SHA-1 of the slot names) lets a release pass over waiters
--- needing a slot it found full without reading their records: every waiter of a slot
--- shares its limit.
+-- signature (16 hex digits of the SHA-1 of the slot names and the entry's deployment, see
+-- slots_signature) lets a release pass over waiters needing a slot it found full without
+-- reading their records, every waiter of a slot sharing its limit; and waiters that share a
+-- signature share their deployment (see without_deployment_test).
 local RECORD_FIRST_DEFERRAL = 1
 local RECORD_PARKED = 2
 local RECORD_TASK_NAME = 3
@@ -53,6 +64,15 @@ end
 
 local function done_key(prefix, task_id)
   return prefix .. ':done:' .. task_id
+end
+
+local function deployments_key(prefix)
+  return prefix .. ':deployments'
+end
+
+-- The waiting list of `slot` that holds the entries of (non-empty) `deployment` alone.
+local function deployment_waiters_key(prefix, slot, deployment)
+  return slot_key(prefix, slot, 'waiters:' .. deployment)
 end
 
 -- A record as written by park, with its slot names from RECORD_SLOTS on.  A record may also
@@ -108,9 +128,61 @@ local function waiter_member(record, task_id)
   return record[RECORD_PARKED] .. record[RECORD_SIGNATURE] .. task_id
 end
 
--- The signature of a slot set: its `names`, sorted.
-local function slots_signature(names)
-  return string.sub(redis.sha1hex(table.concat(names, '\0')), 1, SIGNATURE_WIDTH)
+-- The signature of an entry: its slot `names` (sorted) and its `deployment`.  Names hold no
+-- NUL and are never empty, so the two NULs before a deployment mark where it starts; an entry
+-- of deployment '' has the signature of its names alone, as entries parked before deployments
+-- existed have.
+local function slots_signature(names, deployment)
+  local text = table.concat(names, '\0')
+  if deployment ~= '' then
+    text = text .. '\0\0' .. deployment
+  end
+  return string.sub(redis.sha1hex(text), 1, SIGNATURE_WIDTH)
+end
+
+-- Whether an entry has no deployment (is of deployment ''): a test taking the entry's task id
+-- and, if known, its waiters member; or nil when no entry has one (every entry passes).  Given
+-- a member, the test reads the deployments hash once per signature, since the entries that
+-- share one share their deployment.
+local function without_deployment_test(prefix)
+  local key = deployments_key(prefix)
+  if redis.call('EXISTS', key) == 0 then
+    return nil
+  end
+  local by_signature = {}
+  return function(task_id, member)
+    local signature = member and waiter_signature(member)
+    local passes = signature and by_signature[signature]
+    if passes == nil then
+      passes = redis.call('HEXISTS', key, task_id) == 0
+      if signature then
+        by_signature[signature] = passes
+      end
+    end
+    return passes
+  end
+end
+
+-- The waiting lists a handle of deployment `own` hands entries over from, as { key = a
+-- function of a slot name giving its list's key, test = nil or a test that each entry read
+-- from them must pass, owns = a function of a task id: whether its entry is of `own` }.  A
+-- named deployment walks its own lists, which hold its entries alone: it never reads another
+-- deployment's waiters.  Deployment '' walks the lists of every entry, testing each unless no
+-- entry has a deployment (then it pays nothing more per waiter than a store without
+-- deployments).
+local function handle_lists(prefix, own)
+  if own ~= '' then
+    return {
+      key = function(slot) return deployment_waiters_key(prefix, slot, own) end,
+      owns = function(task_id) return redis.call('HGET', deployments_key(prefix), task_id) == own end,
+    }
+  end
+  local test = without_deployment_test(prefix)
+  return {
+    key = function(slot) return slot_key(prefix, slot, 'waiters') end,
+    test = test,
+    owns = function(task_id) return test == nil or test(task_id) end,
+  }
 end
 
 -- Whether byte string a sorts before b (Lua's own '<' follows the server's locale).
@@ -124,13 +196,17 @@ local function bytes_less(a, b)
   return #a < #b
 end
 
--- Take an entry off the waiting list: its member in each slot's list, its record, its
--- payload, its dispatch.
+-- Take an entry off the waiting list: its member in each slot's list (and its deployment's),
+-- its record, its payload, its dispatch, its deployment.
 local function remove_waiter(prefix, keys, task_id, record)
   local member = waiter_member(record, task_id)
+  local deployment = redis.call('HGET', deployments_key(prefix), task_id)
   for i = RECORD_SLOTS, #record do
     local waiters_key = slot_key(prefix, record[i], 'waiters')
     redis.call('ZREM', waiters_key, member)
+    if deployment then
+      redis.call('ZREM', deployment_waiters_key(prefix, record[i], deployment), member)
+    end
     if redis.call('EXISTS', waiters_key) == 0 then
       redis.call('SREM', keys.waitlists, record[i])
     end
@@ -138,6 +214,9 @@ local function remove_waiter(prefix, keys, task_id, record)
   redis.call('HDEL', keys.waiting, task_id)
   redis.call('HDEL', keys.payloads, task_id)
   redis.call('ZREM', keys.dispatches, task_id)
+  if deployment then
+    redis.call('HDEL', deployments_key(prefix), task_id)
+  end
 end
 
 -- A dispatched entry leaves the list (claimed by `claimer`, or forgotten: claimer '').  With
@@ -214,15 +293,19 @@ local function dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, recor
   woken[#woken + 1] = with_leases and '0' or '1'
 end
 
--- Dispatch without leases every waiting entry among `members` (waiters members, any slots',
--- a task's member the same in each of its lists), oldest first.
-local function readmit_members(prefix, runs_key, expiry_key, keys, members, now, lease_seconds, next_run_id, woken)
+-- Dispatch without leases every waiting entry among `members` (waiters members of the
+-- handle's `lists` (see handle_lists), any slots', a task's member the same in each of its
+-- lists) that their test passes, oldest first.
+local function readmit_members(prefix, runs_key, expiry_key, keys, members, now, lease_seconds, next_run_id, lists,
+    woken)
   local entries, seen = {}, {}
   for _, entry in ipairs(members) do
     local task_id = waiter_task_id(entry.member)
     if not seen[task_id] then
       seen[task_id] = true
-      entries[#entries + 1] = entry
+      if lists.test == nil or lists.test(task_id, entry.member) then
+        entries[#entries + 1] = entry
+      end
     end
   end
   table.sort(entries, function(a, b)
@@ -241,20 +324,24 @@ local function readmit_members(prefix, runs_key, expiry_key, keys, members, now,
   end
 end
 
--- The members (with their scores) of a slot's waiting list whose score is below `upper`
+-- The members (with their scores) of the waiting list at `key` whose score is below `upper`
 -- (a ZRANGEBYSCORE bound), appended to `members`.
-local function collect_members(prefix, slot, upper, members)
-  local found = redis.call('ZRANGEBYSCORE', slot_key(prefix, slot, 'waiters'), '-inf', upper, 'WITHSCORES')
+local function collect_members(key, upper, members)
+  local found = redis.call('ZRANGEBYSCORE', key, '-inf', upper, 'WITHSCORES')
   for i = 1, #found, 2 do
     members[#members + 1] = { member = found[i], score = tonumber(found[i + 1]) }
   end
 end
 
--- Dispatch with leases, oldest first, every waiting entry in the waiting lists of `slots`
--- whose every slot has room now, by the slot's limit in the limits hash (a slot without one
--- there counts as full).  A waiter that does not fit is passed over and keeps its place.  The
--- woken are appended to `woken` (see dispatch_entry).
-local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, lease_seconds, next_run_id, woken)
+-- Dispatch with leases, oldest first, every waiting entry in the handle's waiting `lists` of
+-- `slots` (see handle_lists) that their test passes and whose every slot has room now, by the
+-- slot's limit in the limits hash (a slot without one there counts as full).  A waiter that
+-- does not fit is passed over and keeps its place; so does a waiter of another deployment,
+-- which neither takes room nor stops the walk.  The woken are appended to `woken` (see
+-- dispatch_entry).
+local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, lease_seconds, next_run_id, lists,
+    woken)
+  local is_own = lists.test
   local room = {} -- slot_has_room's cache
   local limits = {} -- slot -> its limit (false if it has none), read once per call
 
@@ -274,7 +361,7 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
   local cursors, cursor_of = {}, {}
   for _, slot in ipairs(slots) do
     if cursor_of[slot] == nil then
-      local cursor = { key = slot_key(prefix, slot, 'waiters'), rank = 0, entries = {}, at = 1 }
+      local cursor = { key = lists.key(slot), rank = 0, entries = {}, at = 1 }
       cursors[#cursors + 1] = cursor
       cursor_of[slot] = cursor
     end
@@ -324,7 +411,8 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
     seen[task_id] = true
     local blocking = blocked_by[waiter_signature(best_member)]
     local record = nil
-    if blocking == nil or holds_live_lease(blocking, task_id, now) then
+    if (is_own == nil or is_own(task_id, best_member))
+        and (blocking == nil or holds_live_lease(blocking, task_id, now)) then
       record = read_waiter(keys.waiting, task_id)
     end
     if record ~= nil and is_waiting(record) then
