@@ -29,9 +29,13 @@ from tests.services import new_prefix, require_service
 
 pytestmark = [pytest.mark.fleet, pytest.mark.redis, pytest.mark.amqp]
 
-STORES = [
-    pytest.param("sqlite", marks=pytest.mark.sqlite, id="sqlite"),
-    pytest.param("postgres", marks=pytest.mark.postgres, id="postgres"),
+#: (store, whether the two deployments' queues have the same names): each store with the same
+#: names (one project deployed twice); queues of their own once, on SQLite.
+LAYOUTS = [
+    pytest.param("sqlite", True, marks=pytest.mark.sqlite, id="sqlite-same-queues"),
+    pytest.param("sqlite", False, marks=pytest.mark.sqlite, id="sqlite-own-queues"),
+    pytest.param("postgres", True, marks=pytest.mark.postgres, id="postgres-same-queues"),
+    pytest.param("redis", True, id="redis-same-queues"),
 ]
 
 #: Leases and dispatches last this long (``caps_lease_seconds``): a copy lost on the wrong
@@ -53,13 +57,12 @@ def log_lines(fleet: Fleet, needle: str) -> list[str]:
     return [line for line in fleet.tails(lines=100_000).splitlines() if needle in line]
 
 
-@pytest.mark.parametrize("same_queues", [True, False], ids=["same-queues", "own-queues"])
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize(("store", "same_queues"), LAYOUTS)
 def test_a_task_waiting_in_production_runs_in_production_when_staging_releases_the_slot(
     make_fleet: FleetFactory, tmp_path: Path, store: str, same_queues: bool
 ) -> None:
     redis_url, amqp_url = require_service("redis"), require_service("amqp")
-    caps_url = f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else require_service("postgres")
+    caps_url = f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else require_service(store)
     # Given staging (broker: Redis) and production (broker: RabbitMQ) sharing a store and their
     # caps' names, so the slot "one:<scope>" (limit 1) is one slot for both, and their queues'
     # names too (or not)
