@@ -135,12 +135,20 @@ class CapsWakeQueues(bootsteps.StartStopStep):  # type: ignore[misc]
         from .messages import is_wake_queue, wake_queue, wake_queue_name
 
         queues = consumer.app.amqp.queues
-        for queue in list(consumer.task_consumer.queues):
+        task_consumer = consumer.task_consumer
+        for queue in list(task_consumer.queues):
             if not is_wake_queue(queue.name):
                 name = wake_queue_name(queue.name)
                 if name not in queues:
                     queues.add(wake_queue(name))
-                consumer.add_task_queue(name)
+                # Added to the task consumer, never consumed from here: the worker's event loop
+                # consumes every queue of it once its message handler is set.  (Celery's
+                # add_task_queue consumes at once: a message delivered while a later declaration
+                # waits for its reply, before that handler is set, stops the worker with
+                # "Consumer does not have any callbacks", as seen after a broker reconnection.)
+                wake = queues.select_add(queues[name])
+                if not task_consumer.consuming_from(name):
+                    task_consumer.add_queue(wake)
         if getattr(consumer, "_caps_wake_queues", False):
             return
         consumer._caps_wake_queues = True

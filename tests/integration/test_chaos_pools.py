@@ -402,8 +402,18 @@ def test_warm_and_cold_shutdown_mid_run(make_fleet: FleetFactory, pool: str) -> 
     assert all(run.hostname == warm.name for warm_run in warm_runs for run in record.runs_of(warm_run.task_id))
     assert _holders_of(fleet, warm) == []
 
-    # When another worker gets SIGQUIT while it runs tasks (cold shutdown)
+    # When another worker gets SIGQUIT while it runs tasks (cold shutdown): one of the others seen
+    # running a task (which of them gets the rest of the work is the broker's choice: a put-back
+    # copy runs on the worker that received it)
     wait_for(lambda: done() >= SHUTDOWN_TASKS // 3, 60, lambda: f"only {done()} done")
+    others = [cold, *survivors]
+    cold = wait_for(
+        lambda: next((worker for worker in others if _runs_in_hand(fleet, worker)), None),
+        30,
+        lambda: f"none of {[worker.name for worker in others]} ran a task; {done()} done",
+        interval=0.02,
+    )
+    survivors = [worker for worker in others if worker is not cold]
     cold_children = cold.children()
     cold_moment, cold_exit_seconds = _signal_mid_run(fleet, cold, signal.SIGQUIT, pool)
     # (runs a dead pool child could not record as ended end now: the harness's kill bookkeeping)
