@@ -175,7 +175,7 @@ def test_an_unreachable_sentinel_set_is_a_store_error_naming_the_sentinels_and_m
 
 def test_the_redis_settings_are_checked_and_reach_the_store() -> None:
     settings = CapsSettings.from_conf({"caps_redis_key_prefix": "app", "caps_redis_master_name": "mymaster"})
-    assert settings.store_options == StoreOptions(True, "app", "mymaster")
+    assert settings.store_options == StoreOptions(True, "app", "mymaster", deployment=settings.deployment)
     store = store_from_url("sentinel://127.0.0.1:26379", settings.store_options)
     assert isinstance(store, RedisStore)
     assert store.key_prefix == "app"
