@@ -156,14 +156,18 @@ def _store_failure(app: Celery, task_id: str, task_name: str, signature: Any, fa
     from celery.app.task import Context
     from celery.backends.base import DisabledBackend
 
-    options = dict(signature.options) if signature is not None else {}
+    if signature is None:  # its message could not be read: no errbacks, no canvas
+        options: dict[str, Any] = {}
+        args: list[Any] = []
+        kwargs: dict[str, Any] = {}
+    else:
+        options, args, kwargs = dict(signature.options), list(signature.args or ()), dict(signature.kwargs or {})
     if options.get("ignore_result") or isinstance(app.backend, DisabledBackend):
         return
     request = Context(
-        id=task_id, task=task_name, args=list(signature.args or ()) if signature is not None else [],
-        kwargs=dict(signature.kwargs or {}) if signature is not None else {},
-        errbacks=options.get("link_error"), chord=options.get("chord"), group=options.get("group_id"),
-        root_id=options.get("root_id"), parent_id=options.get("parent_id"), delivery_info={},
+        id=task_id, task=task_name, args=args, kwargs=kwargs, errbacks=options.get("link_error"),
+        chord=options.get("chord"), group=options.get("group_id"), root_id=options.get("root_id"),
+        parent_id=options.get("parent_id"), delivery_info={},
     )  # fmt: skip
     try:
         app.backend.mark_as_failure(task_id, failure, request=request)
@@ -172,7 +176,7 @@ def _store_failure(app: Celery, task_id: str, task_name: str, signature: Any, fa
 
 
 def release(runtime: CapsContext, run_id: str) -> int:
-    """Release ``run_id``; with park in use, hand its room to waiters and publish them.
+    """Release ``run_id``; with a waiting list, hand its room to waiters and publish them.
 
     Returns the leases deleted.  Raises :class:`StoreError` like ``SlotStore.release``.
     """
@@ -185,7 +189,7 @@ def release(runtime: CapsContext, run_id: str) -> int:
 
 
 def release_holder(runtime: CapsContext, task_id: str, holder: str) -> int:
-    """Release what ``holder`` (a dead pool process) held for ``task_id``; with park in use,
+    """Release what ``holder`` (a dead pool process) held for ``task_id``; with a waiting list,
     hand the room to waiters and publish them.  Returns the leases deleted."""
     store = parking_store(runtime)
     if store is None:
@@ -196,7 +200,7 @@ def release_holder(runtime: CapsContext, task_id: str, holder: str) -> int:
 
 
 def release_task(runtime: CapsContext, task_id: str) -> int:
-    """Release every lease of ``task_id`` (revoke); with park in use, hand the room to waiters
+    """Release every lease of ``task_id`` (revoke); with a waiting list, hand the room to waiters
     and publish them.  Returns the leases deleted."""
     store = parking_store(runtime)
     if store is None:
@@ -209,8 +213,8 @@ def release_task(runtime: CapsContext, task_id: str) -> int:
 def forget(runtime: CapsContext, task_id: str) -> int:
     """``task_id`` is not to run (revoked, expired): take it off the waiting list, free its
     dispatch leases for the next waiters and publish them.  Returns the entries removed."""
-    store = runtime.store
-    if not isinstance(store, ParkingStore):
+    store = parking_store(runtime)
+    if store is None:
         return 0
     removed, woken = store.forget(task_id, dispatch_lease_seconds(runtime))
     publish_woken(runtime, woken)
@@ -259,8 +263,8 @@ def recover(runtime: CapsContext, caps: Collection[str] | None = None) -> list[W
 def readmit(runtime: CapsContext, slot: str) -> tuple[int, list[Woken]]:
     """An operator empties ``slot``'s waiting list: its waiters are published to go through
     admission again.  Returns how many were taken off and those published."""
-    store = runtime.store
-    if not isinstance(store, ParkingStore):
+    store = parking_store(runtime)
+    if store is None:
         return 0, []
     woken = store.readmit(slot, dispatch_lease_seconds(runtime))
     return len(woken), publish_woken(runtime, woken)
