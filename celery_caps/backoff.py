@@ -7,8 +7,9 @@ nothing is stored and no retry is used up.  The copy is published before the
 original is acknowledged: a worker dying in between causes a duplicate, never a loss.
 
 The put-back itself (:func:`celery_caps.messages.put_back`) is shared with park, which
-falls back to it when it cannot park (a full waiting list, a message over
-``caps_park_max_payload_bytes``, a store error under ``caps_on_store_error = "defer"``).
+falls back to it when it cannot park (a full waiting list, a store error under
+``caps_on_store_error = "defer"``), and uses for the message of a task parked without it (over
+``caps_park_max_payload_bytes``).
 """
 
 from __future__ import annotations

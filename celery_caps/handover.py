@@ -29,7 +29,7 @@ from .messages import (
     wake_queue_name,
 )
 from .settings import CapsSettings
-from .stores.base import ParkingStore, SlotStore, Woken
+from .stores.base import OUTSIDE_PAYLOAD, ParkingStore, SlotStore, Woken
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -92,6 +92,8 @@ def publish_woken(runtime: CapsContext, woken: Sequence[Woken]) -> list[Woken]:
     republishing = REPUBLISHING.set(True)
     try:
         for waiter in woken:
+            if waiter.payload == OUTSIDE_PAYLOAD:
+                continue  # its message waits in the broker and claims the dispatch when it comes back
             signature = None
             try:
                 signature = app.signature(decode_payload(waiter.payload))

@@ -221,11 +221,16 @@ def put_back(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     reason: str = "full",
+    max_countdown: float | None = None,
 ) -> NoReturn:
-    """Publish the task again with a countdown, then end this copy with ``Ignore``."""
+    """Publish the task again with a countdown (backoff's, at most ``max_countdown`` seconds),
+    then end this copy with ``Ignore``."""
     settings = runtime.settings
     deferrals, first = waiting_so_far(task, runtime, request, full_slots)
-    countdown = backoff_seconds(deferrals, settings.backoff_min_seconds, settings.backoff_max_seconds)
+    maximum = settings.backoff_max_seconds
+    if max_countdown is not None:
+        maximum = min(maximum, max_countdown)
+    countdown = backoff_seconds(deferrals, min(settings.backoff_min_seconds, maximum), maximum)
     if settings.max_wait_seconds is not None:
         # Come back in time to give up at the deadline rather than long after it.
         countdown = min(countdown, max(settings.max_wait_seconds - (time.time() - first), 0.0) + 0.01)

@@ -67,7 +67,10 @@ DEFERRAL_REASONS = {
     "full": "a cap was full: put back to the broker with backoff (caps_strategy backoff)",
     "parked": "a cap was full: parked in the store's waiting list until a release wakes it (park)",
     "waitlist_full": "a cap was full and its waiting list held caps_park_max_waiters: put back with backoff",
-    "payload_too_large": "a cap was full and the message was over caps_park_max_payload_bytes: put back with backoff",
+    "payload_too_large": (
+        "a cap was full and the message was over caps_park_max_payload_bytes: it waits in the list without it, "
+        "its message put back until its turn"
+    ),
     "store_error": "the store failed (caps_on_store_error defer): put back with backoff",
 }
 #: Buckets of the wait histogram, in seconds.

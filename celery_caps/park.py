@@ -34,8 +34,10 @@ A task dispatched more than once leaves a tombstone when claimed, so that a copy
 an earlier dispatch still on its way (in a prefetch buffer, say) ends rather than
 runs it again, unless the broker redelivered it (its run may have died).
 
-Bounds: ``caps_park_max_waiters`` per slot name and ``caps_park_max_payload_bytes``
-per message; a task over either is put back with backoff instead.  Waiters are
+Bounds: ``caps_park_max_waiters`` per slot name (a task over it is put back with backoff
+instead) and ``caps_park_max_payload_bytes`` per message: a task over it waits in the list
+*outside*, its entry without a message, and its message goes back to the broker with a short
+countdown until its turn, when it claims its entry's dispatch.  Waiters are
 ordered by first-deferral time (then park time); a waiter one of whose slots is
 full is passed over, never blocking the ones behind it, so no key starves.
 """
@@ -63,7 +65,7 @@ from .handover import dispatch_lease_seconds
 from .health import describe
 from .messages import DISPATCH_HEADER, encode_payload
 from .settings import PARK
-from .stores.base import DISPATCH_HOLDER, ClaimOutcome, ParkingStore, ParkOutcome, ParkRequest
+from .stores.base import DISPATCH_HOLDER, OUTSIDE_PAYLOAD, ClaimOutcome, ParkingStore, ParkOutcome, ParkRequest
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -88,8 +90,10 @@ class Verdict(enum.Enum):
     ANSWERED = "answered"
     #: A slot's waiting list is full: put the copy back with backoff instead.
     LIST_FULL = "waitlist_full"
-    #: Its message is over ``caps_park_max_payload_bytes``: put it back with backoff instead.
-    TOO_LARGE = "payload_too_large"
+    #: Its message is over ``caps_park_max_payload_bytes``: it waits in the list without it (an
+    #: entry *outside*), and this copy goes back to the broker with a short countdown, to claim
+    #: the entry's dispatch when its turn has come.
+    OUTSIDE = "payload_too_large"
     #: Its slots are full and it has waited ``caps_max_wait_seconds``: it gives up.
     GAVE_UP = "gave_up"
     #: Its task id waits in the list as another task (a reused id): it fails, visibly.
@@ -123,6 +127,18 @@ class Decision:
     claimed: bool = False
 
 
+def _claim(store: ParkingStore, arrival: Arrival, dispatch_run_id: str, lease_seconds: float) -> Decision | None:
+    """Claim ``dispatch_run_id`` for ``arrival``: RUN or ANSWERED; None: go through admission."""
+    claimed = store.claim(
+        arrival.task_id, dispatch_run_id, arrival.holder, lease_seconds, redelivered=arrival.redelivered
+    )
+    if claimed is ClaimOutcome.RUN:
+        return Decision(Verdict.RUN, dispatch_run_id, claimed=True)
+    if claimed is ClaimOutcome.END:
+        return Decision(Verdict.ANSWERED)
+    return None
+
+
 def decide(
     store: ParkingStore,
     arrival: Arrival,
@@ -144,27 +160,40 @@ def decide(
         StoreError: the store failed; nothing is known of the outcome of the failing call.
     """
     if arrival.dispatch_run_id:
-        claimed = store.claim(
-            arrival.task_id, arrival.dispatch_run_id, arrival.holder, lease_seconds, redelivered=arrival.redelivered
-        )
-        if claimed is ClaimOutcome.RUN:
-            return Decision(Verdict.RUN, arrival.dispatch_run_id, claimed=True)
-        if claimed is ClaimOutcome.END:
-            return Decision(Verdict.ANSWERED)
+        decision = _claim(store, arrival, arrival.dispatch_run_id, lease_seconds)
+        if decision is not None:
+            return decision
 
     request = ParkRequest(
         arrival.slots, arrival.task_id, new_run_id, arrival.holder, lease_seconds, arrival.first_deferred_at,
         max_waiters, arrival.task_name,
     )  # fmt: skip
     outcome = store.park(request)
+    if outcome is ParkOutcome.WAITING:
+        # An entry parked outside answers for nothing: it waits for its message, which this is
+        # (or a copy of it).  It claims the entry's dispatch, or goes back until its turn.
+        entry = store.entry(arrival.task_id)
+        if entry is None or not entry.listed or not entry.outside:
+            return Decision(Verdict.ANSWERED)
+        if entry.dispatch_run_id is None:
+            return Decision(Verdict.OUTSIDE)
+        decision = _claim(store, dataclasses.replace(arrival, redelivered=False), entry.dispatch_run_id, lease_seconds)
+        if decision is not None:
+            return decision
+        outcome = store.park(request)  # the dispatch had no live leases: its entry left the list
     if outcome is ParkOutcome.FULL:
         waited = (time.time() if now is None else now) - arrival.first_deferred_at
         if max_wait_seconds is not None and waited >= max_wait_seconds:
             return Decision(Verdict.GAVE_UP)
         message = payload()
         if len(message) > max_payload_bytes:
-            return Decision(Verdict.TOO_LARGE)
-        outcome = store.park(dataclasses.replace(request, payload=message))
+            # Too large for the store: the task waits in the list all the same, in its place,
+            # and this copy is its message, in the broker.
+            outcome = store.park(dataclasses.replace(request, payload=OUTSIDE_PAYLOAD))
+            if outcome is ParkOutcome.PARKED:
+                return Decision(Verdict.OUTSIDE)
+        else:
+            outcome = store.park(dataclasses.replace(request, payload=message))
     if outcome is ParkOutcome.ADMITTED:
         return Decision(Verdict.RUN, new_run_id)
     if outcome is ParkOutcome.PARKED:
@@ -290,14 +319,24 @@ def admit(
         raise TaskIdInUse(task.name, request.id, list(slots))
     if decision.verdict is Verdict.GAVE_UP:
         raise CapWaitExceeded(task.name, request.id, time.time() - first_deferred_at, list(slots))
-    reason = decision.verdict.value
+    if decision.verdict is Verdict.OUTSIDE:
+        if deferrals == 0:
+            logger.info(
+                "%s[%s] waits for %s without its message, which is over caps_park_max_payload_bytes (%d): "
+                "the message waits in the broker until the task's turn", task.name, request.id,
+                ", ".join(slots), parking.max_payload_bytes,
+            )  # fmt: skip
+        # Back before its entry's dispatch would pass its deadline.
+        countdown = dispatch_lease_seconds(runtime) / 3
+        messages.put_back(
+            task, runtime, request, slots, list(slots), args, kwargs, reason=decision.verdict.value,
+            max_countdown=countdown,
+        )  # fmt: skip
     logger.warning(
-        "%s[%s] put back with backoff: %s", task.name, request.id,
-        f"the waiting list of {', '.join(slots)} holds caps_park_max_waiters ({parking.max_waiters})"
-        if decision.verdict is Verdict.LIST_FULL
-        else f"its message is over caps_park_max_payload_bytes ({parking.max_payload_bytes})",
+        "%s[%s] put back with backoff: the waiting list of %s holds caps_park_max_waiters (%d)",
+        task.name, request.id, ", ".join(slots), parking.max_waiters,
     )  # fmt: skip
-    messages.put_back(task, runtime, request, slots, list(slots), args, kwargs, reason=reason)
+    messages.put_back(task, runtime, request, slots, list(slots), args, kwargs, reason=decision.verdict.value)
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,9 @@ dispatched
     Handed a *dispatch* under a fresh run id D until a deadline
     (``dispatch_lease_seconds``): with *dispatch leases* (D's leases on every slot
     it needs, held by :data:`DISPATCH_HOLDER`, so no newer task takes the room), or
-    without leases for a *readmit* (waited past the maximum wait, or drained by an
-    operator: its copy goes through admission again).  Each dispatch counts.
+    without leases for a *readmit* (waited past the maximum wait, drained by an
+    operator, or never claimed twice: its copy goes through admission again).  Each
+    dispatch counts.
 done
     A tombstone (:data:`DONE_SECONDS`) of a claimed entry that was dispatched more
     than once, or whose claim found no live lease (an expired dispatch, a readmit):
@@ -62,6 +63,11 @@ done
     on their way end, and the same claim retried does not.  Never
     walked nor listed; the sweep deletes it.  A task that parks again replaces it,
     and its new entry keeps the count of dispatches.
+
+An entry parked with :data:`OUTSIDE_PAYLOAD` (a message too large for the store) is
+*outside*: it waits and is dispatched like any other, but its message is in the broker,
+put back again and again by the worker until its turn; the dispatch publishes nothing,
+and the message, coming back, reads the entry (``entry``) and claims that dispatch.
 
 The atomic steps:
 
@@ -93,7 +99,11 @@ The atomic steps:
 ``recover``
     What keeps waiters moving when no release does: dispatches whose deadline
     passed go back to waiting (their leases deleted), waiters past the maximum
-    wait are readmitted, and every waiter that fits now is dispatched.  Workers
+    wait are readmitted, and every waiter that fits now is dispatched.  A task
+    dispatched :data:`LEASED_DISPATCHES` times whose dispatch passed its deadline
+    again is readmitted at once, for :func:`unleased_dispatch_seconds`: a copy
+    nobody takes (its queue no longer consumed) holds no slot, and the cap's other
+    waiters are served meanwhile.  Workers
     call it every few seconds; several at once are safe.
 ``readmit``
     An operator empties a slot's list: its waiters are dispatched without leases.
@@ -201,6 +211,25 @@ class Woken:
     readmit: bool = False
 
 
+@dataclass(frozen=True)
+class Entry:
+    """A task's entry, as :meth:`ParkingStore.entry` reads it."""
+
+    #: Waiting or dispatched; False: a tombstone (a copy claimed it).
+    listed: bool
+    #: The run id of its dispatch (None while it waits).
+    dispatch_run_id: str | None
+    #: Parked without its message (:data:`OUTSIDE_PAYLOAD`): the message waits in the broker,
+    #: put back with a countdown, and claims the entry's dispatch when it comes back.
+    outside: bool
+
+
+#: The payload of an entry whose message is too large for the store: the message itself waits in
+#: the broker (put back with a countdown, again and again) and, when it comes back while its
+#: entry is dispatched, claims that dispatch.  Its dispatches publish nothing.
+OUTSIDE_PAYLOAD = b""
+
+
 class ClaimOutcome(enum.Enum):
     """What :meth:`SlotStore.claim` decided for an arriving copy."""
 
@@ -272,8 +301,23 @@ class ParkRequest:
     #: A slot whose list holds this many waiters parks no more.
     max_waiters: int
     task_name: str | None = None
-    #: The message that publishes the task again; None: admit if there is room, else park nothing.
+    #: The message that publishes the task again (:data:`OUTSIDE_PAYLOAD`: it waits in the
+    #: broker); None: admit if there is room, else park nothing.
     payload: bytes | None = None
+
+
+#: Dispatches of a task with leases (holding its slots for it) before recovery gives up holding
+#: them: the next dispatch of a task whose dispatches all passed their deadline unclaimed (its
+#: wake queue no longer consumed, its copies stuck or lost) holds no slot.
+LEASED_DISPATCHES = 2
+
+
+def unleased_dispatch_seconds(dispatches: int, dispatch_lease_seconds: float) -> float:
+    """The deadline, in seconds, of the dispatch without leases that recovery gives a task
+    dispatched ``dispatches`` times already, all unclaimed: twice as long at each miss, up to 64
+    dispatch leases, so a copy published into a queue nobody consumes is published again
+    seldom, and one lost is published again within the hour (at the default lease)."""
+    return dispatch_lease_seconds * 2.0 ** min(max(dispatches - 1, 0), 6)
 
 
 #: Seconds a claimed entry that was dispatched more than once stays as a tombstone, so that
@@ -393,6 +437,7 @@ _CHECKS: dict[str, Callable[..., None]] = {
     "forget": _check_task_and_wake,
     "recover": _check_recover,
     "readmit": _check_readmit,
+    "entry": _check_task,
     "waiters": _check_slot_filter,
     "warm_up": _no_check,
     "durability_warning": _no_check,
@@ -708,6 +753,11 @@ class ParkingStore(SlotStore):
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
         """Dispatch without leases every waiting (not dispatched) entry of ``slot``, oldest first:
         an operator empties its list (the copies go through admission again)."""
+
+    @abc.abstractmethod
+    def entry(self, task_id: str) -> Entry | None:
+        """The task's entry (a tombstone included), or None: a read, without locks.  A copy of a
+        task parked outside (:data:`OUTSIDE_PAYLOAD`) reads which dispatch to claim."""
 
     @abc.abstractmethod
     def waiters(self, slot: str | None = None) -> list[Waiter]:

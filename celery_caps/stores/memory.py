@@ -21,8 +21,11 @@ from dataclasses import dataclass
 
 from .base import (
     DISPATCH_HOLDER,
+    LEASED_DISPATCHES,
+    OUTSIDE_PAYLOAD,
     Admission,
     ClaimOutcome,
+    Entry,
     HistoryEvent,
     Lease,
     ParkingStore,
@@ -31,6 +34,7 @@ from .base import (
     SlotStatus,
     Waiter,
     Woken,
+    unleased_dispatch_seconds,
 )
 
 
@@ -315,14 +319,22 @@ class MemoryStore(ParkingStore):
                 if entry.listed and entry.deployment == self.deployment and in_scope(entry)
             ]
             only = {slot for entry in considered for slot in entry.slots} if scoped else None
+            missed = []
             for entry in considered:
                 if entry.dispatch_run_id is not None and entry.dispatch_expires_at <= now:
                     self._delete_dispatch_locked(entry.dispatch_run_id, entry.task_id)
                     entry.dispatch_run_id = None
-            woken = []
+                    if entry.dispatches >= LEASED_DISPATCHES:
+                        missed.append(entry)
+            woken = [
+                self._dispatch_locked(
+                    entry, now, unleased_dispatch_seconds(entry.dispatches, dispatch_lease_seconds), leases=False
+                )
+                for entry in self._in_order(missed)
+            ]
             if readmit_before is not None:
                 overdue = self._in_order(e for e in considered if e.waiting and e.first_deferred_at < readmit_before)
-                woken = [self._dispatch_locked(e, now, dispatch_lease_seconds, leases=False) for e in overdue]
+                woken += [self._dispatch_locked(e, now, dispatch_lease_seconds, leases=False) for e in overdue]
             return woken + self._wake_locked(now, dispatch_lease_seconds, only)
 
     def readmit(self, slot: str, dispatch_lease_seconds: float) -> list[Woken]:
@@ -332,6 +344,13 @@ class MemoryStore(ParkingStore):
                 e for e in self._waiting.values() if e.waiting and e.deployment == self.deployment and slot in e.slots
             )
             return [self._dispatch_locked(entry, now, dispatch_lease_seconds, leases=False) for entry in entries]
+
+    def entry(self, task_id: str) -> Entry | None:
+        with self._lock:
+            entry = self._waiting.get(task_id)
+            if entry is None:
+                return None
+            return Entry(entry.listed, entry.dispatch_run_id, entry.payload == OUTSIDE_PAYLOAD)
 
     def waiters(self, slot: str | None = None) -> list[Waiter]:
         with self._lock:

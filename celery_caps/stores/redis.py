@@ -174,6 +174,7 @@ from ..errors import ConfigurationError, StoreError
 from .base import (
     Admission,
     ClaimOutcome,
+    Entry,
     HistoryEvent,
     Lease,
     ParkingStore,
@@ -345,6 +346,7 @@ class RedisStore(ParkingStore):
         self._recover = self._script("redis_recover.lua", _WAITLIST_LIBRARY)
         self._readmit = self._script("redis_readmit.lua", _WAITLIST_LIBRARY)
         self._waiters = self._script("redis_waiters.lua", _WAITLIST_LIBRARY)
+        self._entry = self._script("redis_entry.lua", _WAITLIST_LIBRARY)
 
     @property
     def client(self) -> Any:
@@ -789,6 +791,15 @@ class RedisStore(ParkingStore):
             _encode(slot),
         ]
         return self._woken(self._run("readmit", self._readmit, self._waitlist_keys, args))
+
+    def entry(self, task_id: str) -> Entry | None:
+        keys = [*self._waitlist_keys, self.done_key(task_id)]
+        reply = self._run("entry", self._entry, keys, [self._prefix, _encode(task_id)])
+        if not reply:
+            return None
+        if reply[0] == b"done":
+            return Entry(listed=False, dispatch_run_id=None, outside=False)
+        return Entry(listed=True, dispatch_run_id=_text(reply[1]) or None, outside=reply[2] == b"1")
 
     def waiters(self, slot: str | None = None) -> list[Waiter]:
         args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]

@@ -75,19 +75,30 @@ local function in_scope(record)
   return false
 end
 
+local woken = {}
+
 -- Unclaimed: the dispatcher died before publishing, the message was lost or is late.  The
--- entry never left the slots' lists, so it keeps its place.
+-- entry never left the slots' lists, so it keeps its place.  A task dispatched LEASED_DISPATCHES
+-- times already, every dispatch unclaimed (its wake queue no longer consumed, say), is
+-- dispatched again at once without leases, its copy given the longer the more it missed: it
+-- holds no slot while the cap's other waiters are served.
 for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', score_text(now))) do
   local record = read_waiter(keys.waiting, task_id)
   if record == nil then
     redis.call('ZREM', keys.dispatches, task_id)
   elseif in_scope(record) and lists.owns(task_id) then
+    redis.call('ZREM', keys.dispatches, task_id)
     if not is_waiting(record) then
       delete_dispatch(prefix, runs_key, expiry_key, task_id, record[RECORD_RUN_ID])
       record[RECORD_RUN_ID], record[RECORD_DEADLINE] = '', ''
-      write_waiter(keys.waiting, task_id, record)
+      local dispatches = tonumber(record[RECORD_DISPATCHES])
+      if dispatches >= LEASED_DISPATCHES then
+        dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, next_run_id(), now,
+          unleased_dispatch_seconds(dispatches, lease_seconds), false, woken)
+      else
+        write_waiter(keys.waiting, task_id, record)
+      end
     end
-    redis.call('ZREM', keys.dispatches, task_id)
   end
 end
 
@@ -118,7 +129,6 @@ for _, slot in ipairs(redis.call('SMEMBERS', keys.waitlists)) do
   end
 end
 
-local woken = {}
 if readmit_before ~= '' then
   local overdue = {}
   local before = tonumber(readmit_before)

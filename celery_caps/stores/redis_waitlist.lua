@@ -55,6 +55,14 @@ local RECORD_DISPATCHES = 6
 local RECORD_SIGNATURE = 7
 local RECORD_SLOTS = 8
 
+-- Dispatches of a task with leases before recovery gives up holding its slots for it, and the
+-- deadline of its dispatches without leases after that: twice as long at each miss, up to 64
+-- dispatch leases (celery_caps.stores.base's LEASED_DISPATCHES and unleased_dispatch_seconds).
+local LEASED_DISPATCHES = 2
+local function unleased_dispatch_seconds(dispatches, lease_seconds)
+  return lease_seconds * 2 ^ math.min(math.max(dispatches - 1, 0), 6)
+end
+
 -- Waiters fetched at a time while walking a slot's waiting list.
 local WALK_CHUNK = 128
 

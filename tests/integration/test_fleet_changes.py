@@ -329,3 +329,102 @@ def test_a_task_routed_by_exchange_and_routing_key_is_woken_through_its_wake_que
     assert record.starts[woken] == 1 and record.runs_of(woken)[0].dispatch
     assert all(record.starts[task_id] == 1 for task_id in backlog)
     nothing_left(fleet)
+
+
+# -- 3. a fleet restarted on other queues ------------------------------------------------------
+
+
+def test_a_task_whose_queue_is_no_longer_consumed_stops_holding_its_cap(
+    make_fleet: FleetFactory, tmp_path: Path
+) -> None:
+    redis_url = require_service("redis")
+    # Dispatches last 2 s (caps_lease_seconds).
+    fleet = make_fleet(broker=redis_url, backend=redis_url, caps_url=sqlite_url(tmp_path), strategy="park", lease=2)
+    queue, other_queue = queue_name(fleet.prefix), queue_name(fleet.prefix, extra=True)
+    [old] = fleet.start(1, concurrency=2, queues=[queue])
+    scope = uuid.uuid4().hex[:16]
+
+    # Given a fleet on queue "q": a task holding a slot of limit 1 for 3 s and a task X parked
+    # behind it
+    holder = fleet.app.send_task("fleet.hold", args=[scope, 3.0]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 20, "the holder never started")
+    stranded = fleet.app.send_task("fleet.hold", args=[scope, 0.3]).id
+    wait_parked(fleet, stranded)
+
+    # When the fleet is restarted on another queue: the old worker is shut down warm (the
+    # holder finishes, and its release wakes X into q's wake queue, which no worker consumes
+    # from now on) and a worker consuming "q-extra" only starts; tasks of the same cap arrive
+    # there
+    fleet.stop([old])
+    assert fleet.record().done[holder] == 1
+    [new] = fleet.start(1, concurrency=2, queues=[other_queue])
+    wait_for(
+        lambda: any(w.task_id == stranded and w.dispatched for w in fleet.store.waiters()),
+        20,
+        "X was never woken",
+    )
+    # (each longer than a recovery interval, so that none runs only because it came while X's
+    # dispatch had passed its deadline and recovery had not yet dispatched it again)
+    others = [fleet.app.send_task("fleet.hold", args=[scope, 2.5], queue=other_queue).id for _ in range(3)]
+
+    # Then X's dispatches pass their deadline unclaimed, X stops holding the slot, and the tasks
+    # of the consumed queue all run, one at a time
+    def progress() -> str:
+        record = fleet.record()
+        waiting = [(w.task_id[:8], w.dispatched) for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)]
+        return f"runs of the others: {[record.done[t] for t in others]}; waiting (task, dispatched): {waiting}"
+
+    wait_for(lambda: all(fleet.record().done[t] == 1 for t in others), 60, progress, interval=0.25)
+    assert fleet.record().starts[stranded] == 0, "X ran on a worker that does not consume its queue"
+    # ... X still waits in the store, and runs once when a worker consumes its queue again (the
+    # copies of its earlier dispatches there end)
+    assert [w.task_id for w in fleet.store.waiters() if w.slot.startswith(fleet.prefix)] == [stranded]
+    assert fleet.app.control.add_consumer(queue, destination=[new.name], reply=True, timeout=5)
+    wait_for(lambda: fleet.record().done[stranded] == 1, 60, progress, interval=0.25)
+    time.sleep(2 * 2.4)  # two recovery intervals: room for a second, wrong run to show up
+    record = fleet.record()
+    assert {t: record.starts[t] for t in [holder, stranded, *others] if record.starts[t] != 1} == {}
+    assert [state_of(fleet, task_id)["status"] for task_id in [stranded, *others]] == ["SUCCESS"] * 4
+    assert record.interval_peak(f"one:{scope}") == 1
+    nothing_left(fleet)
+
+
+# -- 9. a message too large for the store ------------------------------------------------------
+
+
+def test_a_task_too_large_for_the_store_runs_in_its_turn_under_steady_load(
+    make_fleet: FleetFactory, tmp_path: Path
+) -> None:
+    redis_url = require_service("redis")
+    # The store keeps messages of up to 2 kB; dispatches last 3 s (caps_lease_seconds).
+    fleet = make_fleet(
+        broker=redis_url, backend=redis_url, caps_url=sqlite_url(tmp_path), strategy="park", lease=3,
+        conf=json.dumps({"caps_park_max_payload_bytes": 2048}),
+    )  # fmt: skip
+    fleet.start(1, concurrency=3)
+    scope = uuid.uuid4().hex[:16]
+
+    # Given a task holding a slot of limit 1 for 2 s, a task B whose message is over the bound
+    # arriving behind it, and then a steady load of small tasks of the same cap
+    holder = fleet.app.send_task("fleet.hold", args=[scope, 2.0]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 20, "the holder never started")
+    big = fleet.app.send_task("fleet.hold", args=[scope, 0.2], kwargs={"padding": "x" * 4096}).id
+    wait_for(lambda: fleet.record().received[big] >= 1, 20, "B never arrived")
+    small = []
+    for _ in range(8):
+        small.append(fleet.app.send_task("fleet.hold", args=[scope, 0.3]).id)
+        time.sleep(0.1)
+
+    # When every task has finished
+    fleet.wait_all_done([holder, big, *small], 60)
+
+    # Then B ran in its turn: first after the holder, before every small task sent after it
+    record = fleet.record()
+    order = [run.task_id for run in sorted(record.runs, key=lambda run: run.start)]
+    assert order[:2] == [holder, big], [task_id[:8] for task_id in order]
+    assert {t: record.starts[t] for t in [holder, big, *small] if record.starts[t] != 1} == {}
+    assert [state_of(fleet, task_id)["status"] for task_id in [big, *small]] == ["SUCCESS"] * 9
+    assert record.interval_peak(f"one:{scope}") == 1
+    # ... its message waited in the broker (the store kept no payload of it), and a worker said so
+    assert lines_with(fleet, big, "without its message")
+    nothing_left(fleet)

@@ -67,7 +67,7 @@ from hypothesis.stateful import (
 
 from celery_caps import messages, park
 from celery_caps.errors import StoreError
-from celery_caps.stores.base import SlotStore, Woken
+from celery_caps.stores.base import OUTSIDE_PAYLOAD, SlotStore, Woken
 from celery_caps.stores.memory import MemoryStore
 from tests.services import REDIS_KINDS, REDIS_TOPOLOGY_KINDS, StoreTarget, delete_own_rows, new_prefix
 
@@ -84,6 +84,11 @@ TASKS = {
     "t4": ("g",),
     "t5": ("k:a",),
 }
+#: Tasks whose message is over the store's bound (``caps_park_max_payload_bytes``): they wait
+#: in the list without it, and their message goes back to the broker until their turn.
+LARGE_TASKS = {"t2"}
+#: The bound the model's workers use.
+MAX_PAYLOAD_BYTES = 4096
 WORKERS = ("w1", "w2")
 PREFETCH = 2
 MAX_RETRIES = 1
@@ -137,6 +142,8 @@ class Message:
     redelivered: bool = False
     #: The worker holding it unacknowledged (None: in the queue).
     holder: str | None = None
+    #: A put-back copy's ETA (the test clock): not delivered before.
+    not_before: float = 0.0
 
 
 @dataclass
@@ -263,8 +270,8 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
 
         # -- the broker ----------------------------------------------------------------
 
-        def publish(self, task: str, retries: int, headers: dict[str, Any]) -> None:
-            message = Message(next(self.mids), task, retries, headers)
+        def publish(self, task: str, retries: int, headers: dict[str, Any], countdown: float = 0.0) -> None:
+            message = Message(next(self.mids), task, retries, headers, not_before=self.clock.time() + countdown)
             dispatch = headers.get(messages.DISPATCH_HEADER, "-")[:6]
             self.note(f"publish m{message.mid} {task}/{retries} dispatch={dispatch}")
             self.queue.append(message)
@@ -273,6 +280,8 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             """Publish the woken copies; one whose message a deploy broke fails its task and
             leaves the list, handing its slots on (as ``handover.fail_unpublishable``)."""
             for waiter in woken:
+                if waiter.payload == OUTSIDE_PAYLOAD:
+                    continue  # its message is in the broker: nothing to publish
                 parked = json.loads(waiter.payload)
                 if parked["task"] in self.poisoned:
                     self.fail_unpublishable(parked["task"], waiter)
@@ -296,7 +305,8 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             self.queue.remove(message)
 
         def ready(self) -> list[Message]:
-            return [message for message in self.queue if message.holder is None]
+            now = self.clock.time()
+            return [message for message in self.queue if message.holder is None and message.not_before <= now]
 
         def held_by(self, worker: Worker) -> list[Message]:
             return [message for message in self.queue if message.holder == worker.name]
@@ -368,13 +378,15 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
 
             def payload() -> bytes:
                 headers = messages.republish_headers(request, deferrals, first)
-                return json.dumps({"task": message.task, "retries": message.retries, "headers": headers}).encode()
+                padding = "x" * MAX_PAYLOAD_BYTES if message.task in LARGE_TASKS else ""
+                parked = {"task": message.task, "retries": message.retries, "headers": headers, "padding": padding}
+                return json.dumps(parked).encode()
 
             run_id = process.new_run_id
             try:
                 decision = park.decide(
                     self.store, arrival, run_id, payload, lease_seconds=lease, max_waiters=1000,  # type: ignore[arg-type]
-                    max_payload_bytes=65536, now=self.clock.time(),
+                    max_payload_bytes=MAX_PAYLOAD_BYTES, now=self.clock.time(),
                 )  # fmt: skip
             except StoreError as exc:
                 if dispatch:
@@ -411,9 +423,14 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                     )
                 self.starts[key] += 1
                 return
-            assert decision.verdict in (park.Verdict.PARKED, park.Verdict.ANSWERED), decision
-            if decision.verdict is park.Verdict.PARKED:
+            assert decision.verdict in (park.Verdict.PARKED, park.Verdict.ANSWERED, park.Verdict.OUTSIDE), decision
+            if decision.verdict in (park.Verdict.PARKED, park.Verdict.OUTSIDE):
                 self.parked_slots[message.task] = slots
+            if decision.verdict is park.Verdict.OUTSIDE:
+                # As park.admit: the message goes back to the broker (put back, with a countdown of
+                # at most a third of a dispatch's deadline), then the original is acknowledged.
+                headers = messages.republish_headers(request, deferrals, first)
+                self.publish(message.task, message.retries, headers, countdown=dispatch_lease / 3)
             process.phase = "acking"
 
         @precondition(lambda self: self.able("running"))
@@ -708,7 +725,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 while self.can_start():
                     self.start(0)
                 self.recovery(lose_publish=False)
-                if not any(m.holder is None for m in self.queue):
+                if not self.ready():
                     self._time_passes(1.2)
             unfinished = sorted(task for task in self.sent if not (self.finished[task] or task in self.failed))
             waiting = [(w.task_id, w.dispatched) for w in self.real_store.waiters() if w.slot in self.all_slots]

@@ -2,7 +2,8 @@
 
 A deploy changes a cap's limit while tasks wait for it; a stale copy of a task comes back
 redelivered after another dispatch of it ran; a task id is reused by another task; a cap is
-renamed in code while its waiters wait.  Each test drives the store contract in the order a
+renamed in code while its waiters wait; a task's wake queue is no longer consumed; a task's
+message is too large for the store.  Each test drives the store contract in the order a
 real fleet produces, and checks what the user would see: how many hold a slot, who is
 dispatched, which copies end.  ``docs/park.md`` ("Changing a fleet while tasks wait") says
 what each change does.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from celery_caps.stores.base import DISPATCH_HOLDER, ClaimOutcome, ParkOutcome, SlotStore
+from celery_caps.stores.base import DISPATCH_HOLDER, OUTSIDE_PAYLOAD, ClaimOutcome, ParkOutcome, ParkRequest, SlotStore
 from tests.unit.test_stores import (
     DISPATCH_LEASE,
     HOLDER,
@@ -193,7 +194,74 @@ def test_recovery_serves_the_waiters_of_a_task_it_knows_whose_cap_was_renamed(st
     assert store.recover(DISPATCH_LEASE, caps=[], task_names=[]) == []
 
 
-def _request(slots: Mapping[str, int], task_id: str, *, task_name: str, payload: bytes) -> object:
-    from celery_caps.stores.base import ParkRequest
+def test_a_task_whose_dispatches_are_never_claimed_stops_holding_the_slot(store: SlotStore, prefix: str) -> None:
+    # Given: a cap of 1 whose run ends, with t and then u waiting; t's wake queue is no longer
+    # consumed (the fleet was restarted on other queues), so none of its copies is ever claimed
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    running = admit(store, {slot: 1}, f"{prefix}before")
+    assert park(store, {slot: 1}, f"{prefix}t", 1.0) == ParkOutcome.PARKED
+    assert park(store, {slot: 1}, f"{prefix}u", 2.0) == ParkOutcome.PARKED
+    _, [first] = store.release_and_wake(running, SHORT_LEASE)
+    assert (first.task_id, first.readmit) == (f"{prefix}t", False)
+    # When: its first dispatch passes its deadline unclaimed, recovery dispatches it again, with
+    # the slot (its copy may only have been late: stuck in a prefetch buffer)
+    wait_until_expired(store, [first.run_id])
+    [second] = store.recover(SHORT_LEASE, caps=[slot])
+    assert (second.task_id, second.readmit) == (f"{prefix}t", False)
+    assert live_holders(store, slot) == {f"{prefix}t"}
+    # ... and when that one passes its deadline unclaimed too
+    wait_until_expired(store, [second.run_id])
+    woken = store.recover(SHORT_LEASE, caps=[slot])
+    # Then: t is dispatched again without the slot (its copy, when some worker takes it, goes
+    # through admission), and the slot goes to u
+    assert sorted((w.task_id, w.readmit) for w in woken) == [(f"{prefix}t", True), (f"{prefix}u", False)]
+    assert live_holders(store, slot) == {f"{prefix}u"}
+    # ... the copies of t's earlier dispatches end; the last one's goes through admission, and
+    # parks again, at its old place, first in line
+    [third] = [w for w in woken if w.task_id == f"{prefix}t"]
+    for stale in (first, second):
+        assert store.claim(stale.task_id, stale.run_id, HOLDER, LONG_LEASE, redelivered=True) is ClaimOutcome.END
+    assert store.claim(third.task_id, third.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
+    assert park(store, {slot: 1}, f"{prefix}t", 1.0) == ParkOutcome.PARKED
+    [u] = [w for w in woken if w.task_id == f"{prefix}u"]
+    [u_run] = claim_all(store, [u])
+    _, [next_one] = store.release_and_wake(u_run, DISPATCH_LEASE)
+    assert (next_one.task_id, next_one.readmit) == (f"{prefix}t", False)
 
+
+def test_a_task_parked_without_its_message_keeps_its_place_and_its_message_claims_it(
+    store: SlotStore, prefix: str
+) -> None:
+    # Given: a cap of 1, held; task big parks without its message (too large for the store: the
+    # message waits in the broker), then small parks with its own
+    store = parking_store(store)
+    slot = f"{prefix}s"
+    running = admit(store, {slot: 1}, f"{prefix}before")
+    big, small = f"{prefix}big", f"{prefix}small"
+    outside = ParkRequest({slot: 1}, big, new_run_id(), HOLDER, LONG_LEASE, 1.0, 100, "t.big", OUTSIDE_PAYLOAD)
+    assert store.park(outside) is ParkOutcome.PARKED
+    assert park(store, {slot: 1}, small, 2.0) == ParkOutcome.PARKED
+    # Then: its entry says it waits outside, undispatched; a copy of its message that comes back
+    # now learns it must go back to the broker (and a copy of another task's entry is not outside)
+    waiting = store.entry(big)  # type: ignore[attr-defined]
+    assert waiting is not None and (waiting.listed, waiting.dispatch_run_id, waiting.outside) == (True, None, True)
+    assert store.entry(small).outside is False  # type: ignore[attr-defined]
+    assert store.entry(f"{prefix}nobody") is None  # type: ignore[attr-defined]
+    # When: the run ends
+    _, woken = store.release_and_wake(running, DISPATCH_LEASE)
+    # Then: the slot is reserved for big, first in line (nothing to publish: its message is in
+    # the broker), and small still waits
+    assert [(w.task_id, w.payload, w.readmit) for w in woken] == [(big, OUTSIDE_PAYLOAD, False)]
+    assert live_holders(store, slot) == {big}
+    dispatched = store.entry(big)  # type: ignore[attr-defined]
+    assert dispatched is not None and dispatched.dispatch_run_id == woken[0].run_id and dispatched.outside
+    # ... and its message, coming back, claims that dispatch and runs
+    assert store.claim(big, dispatched.dispatch_run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert listed(store, slot) == [(small, False)]
+    gone = store.entry(big)  # type: ignore[attr-defined]
+    assert gone is None or not gone.listed
+
+
+def _request(slots: Mapping[str, int], task_id: str, *, task_name: str, payload: bytes) -> object:
     return ParkRequest(slots, task_id, new_run_id(), HOLDER, LONG_LEASE, 1.0, 100, task_name, payload)

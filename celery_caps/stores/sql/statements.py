@@ -242,6 +242,10 @@ TEMPLATES: dict[str, str] = {
         "dispatches = dispatches + 1 WHERE task_id = :task_id AND dispatch_run_id IS NULL"
     ),
     "payloads": "SELECT task_id, payload, task_name FROM concurrency_waiters WHERE task_id IN :task_ids",
+    # A task's entry (one row of it): a tombstone's done_until, its dispatch, its payload's length.
+    "entry_state": (
+        "SELECT done_until, dispatch_run_id, length(payload) FROM concurrency_waiters WHERE task_id = :task_id LIMIT 1"
+    ),
     # A claim: the task's leases of the dispatch run (locked), and whether each is live.
     "claim_leases": (
         "SELECT holder, CASE WHEN expires_at > {now} THEN 1 ELSE 0 END FROM concurrency_slots "
@@ -270,13 +274,13 @@ TEMPLATES: dict[str, str] = {
     # The dispatches of :deployment past their deadline.  (:now: the store's clock read once, so
     # that the deadline's index is used.)
     "expired_dispatches": (
-        "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
+        "SELECT DISTINCT task_id, dispatch_run_id, dispatches FROM concurrency_waiters "
         "WHERE dispatch_expires_at <= :now AND done_until IS NULL AND deployment = :deployment ORDER BY task_id"
     ),
     # (Of the entries of a recovery's scope: waiting for one of :slots, or of a task named in
     # :task_names.)
     "expired_dispatches_of": (
-        "SELECT DISTINCT task_id, dispatch_run_id FROM concurrency_waiters "
+        "SELECT DISTINCT task_id, dispatch_run_id, dispatches FROM concurrency_waiters "
         "WHERE dispatch_expires_at <= :now AND done_until IS NULL AND deployment = :deployment "
         "AND (task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment) "
         "OR task_name IN :task_names) ORDER BY task_id"

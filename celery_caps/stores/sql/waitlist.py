@@ -23,7 +23,18 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ...errors import StoreError
-from ..base import DISPATCH_HOLDER, ClaimOutcome, ParkingStore, ParkOutcome, ParkRequest, Waiter, Woken
+from ..base import (
+    DISPATCH_HOLDER,
+    LEASED_DISPATCHES,
+    ClaimOutcome,
+    Entry,
+    ParkingStore,
+    ParkOutcome,
+    ParkRequest,
+    Waiter,
+    Woken,
+    unleased_dispatch_seconds,
+)
 from .leases import BATCH, SQLLeaseStore, _cut, as_text
 from .schema import MAX_TASK_NAME_LENGTH, concurrency_waiters, concurrency_waitlists
 from .statements import admission_params
@@ -171,13 +182,13 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 break
         return self._woken(connection, chosen, readmit=False)
 
-    def _readmit(self, connection: Connection, task_ids: Sequence[str], dispatch_lease_seconds: float) -> list[Woken]:
-        """Dispatch, without leases, those of ``task_ids`` that still wait, in that order (their
-        sentinels locked)."""
+    def _readmit(self, connection: Connection, deadlines: Sequence[tuple[str, float]]) -> list[Woken]:
+        """Dispatch, without leases, those of the tasks of ``deadlines`` (task id, seconds its copy
+        has) that still wait, in that order (their sentinels locked)."""
         chosen = []
-        for task_id in task_ids:
+        for task_id, seconds in deadlines:
             run_id = uuid.uuid4().hex
-            params = {"task_id": task_id, "run_id": run_id, "lease_seconds": dispatch_lease_seconds}
+            params = {"task_id": task_id, "run_id": run_id, "lease_seconds": seconds}
             if self.statements.execute(connection, "mark_dispatched", params).rowcount:
                 chosen.append((task_id, run_id))
         return self._woken(connection, chosen, readmit=True)
@@ -392,10 +403,15 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             due: Sequence[Any] = []
             if deadline is not None and deadline <= now:
                 due = statements.execute(connection, expired, {**of_slots, **own, "now": now}).all()
-            for task_id, dispatch_run_id in due:
+            # A task whose every dispatch passed its deadline unclaimed is readmitted at once (its
+            # copy holds no slot), the longer the more it missed.
+            missed: list[tuple[str, float]] = []
+            for task_id, dispatch_run_id, dispatches in due:
                 dispatch = {"task_id": task_id, "run_id": dispatch_run_id}
                 statements.execute(connection, "delete_dispatch_leases", dispatch)
                 statements.execute(connection, "undispatch", dispatch)
+                if dispatches >= LEASED_DISPATCHES:
+                    missed.append((as_text(task_id), unleased_dispatch_seconds(dispatches, dispatch_lease_seconds)))
             overdue: list[str] = []
             first = (
                 None if readmit_before is None else statements.execute(connection, "first_waiting_since", own).scalar()
@@ -414,9 +430,11 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             walked = room | self._waiting_slots(connection, room)
             # Every sentinel at once, in slot order: readmits and dispatches change waiting entries
             # only under the locks of their slots, as a release's dispatches do.
-            overdue_slots = self._names(connection, "slots_of_tasks", "task_ids", overdue)
+            readmitted = [*missed, *((task_id, dispatch_lease_seconds) for task_id in overdue)]
+            readmitted_ids = [task_id for task_id, _seconds in readmitted]
+            overdue_slots = self._names(connection, "slots_of_tasks", "task_ids", readmitted_ids)
             locked = self._lock_existing(connection, walked | overdue_slots)
-            woken = self._readmit(connection, overdue, dispatch_lease_seconds)
+            woken = self._readmit(connection, readmitted)
             if room:
                 walk = [slot for slot in locked if slot in walked]
                 woken += self._dispatch(connection, walk, dispatch_lease_seconds, touching=considered)
@@ -432,9 +450,20 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 return []
             # Under the sentinels of their slots, as every change of a waiting entry.
             self._lock_existing(connection, self._names(connection, "slots_of_tasks", "task_ids", task_ids))
-            return self._readmit(connection, task_ids, dispatch_lease_seconds)
+            return self._readmit(connection, [(task_id, dispatch_lease_seconds) for task_id in task_ids])
 
         return self._transaction(readmit)
+
+    def entry(self, task_id: str) -> Entry | None:
+        def read(connection: Connection) -> Entry | None:
+            row = self.statements.execute(connection, "entry_state", {"task_id": task_id}).first()
+            if row is None:
+                return None
+            done_until, dispatch_run_id, payload_length = row
+            listed = done_until is None
+            return Entry(listed, as_text(dispatch_run_id) if dispatch_run_id else None, listed and not payload_length)
+
+        return self._transaction(read, single_statement=True, read_only=True)
 
     def waiters(self, slot: str | None = None) -> list[Waiter]:
         statement, params = ("waiters_all", {}) if slot is None else ("waiters_of_slot", {"slot": slot})
