@@ -96,7 +96,7 @@ def publish_woken(runtime: CapsContext, woken: Sequence[Woken]) -> list[Woken]:
                 continue  # its message waits in the broker and claims the dispatch when it comes back
             signature = None
             try:
-                signature = app.signature(decode_payload(waiter.payload))
+                signature = app.signature(decode_payload(app, waiter.payload))
                 headers = {**(signature.options.get("headers") or {}), DISPATCH_HEADER: waiter.run_id}
                 queue = destination_queue(app, signature)
                 if queue is not None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Reject
 from kombu.entity import Exchange, Queue
-from kombu.serialization import dumps, loads
+from kombu.serialization import dumps, loads, prepare_accept_content
 
 from .errors import CapWaitExceeded, StoreError
 from .health import describe
@@ -119,10 +119,17 @@ def encode_payload(app: Celery, message: Mapping[str, Any]) -> bytes:
     return f"{content_type}\n{encoding}\n".encode() + body
 
 
-def decode_payload(payload: bytes) -> Any:
+def decode_payload(app: Celery, payload: bytes) -> Any:
+    """A parked message, decoded only if its content type is one the app accepts
+    (``accept_content``), as Celery decodes a message from the broker: whoever can write to the
+    store cannot make a worker unpickle what its broker would refuse.
+
+    Raises:
+        kombu.exceptions.ContentDisallowed: the payload's content type is not accepted.
+    """
     content_type, encoding, body = payload.split(b"\n", 2)
-    kind = content_type.decode()
-    return loads(body, kind, encoding.decode(), accept=[kind])  # type: ignore[no-untyped-call]
+    accept = prepare_accept_content(app.conf.accept_content)  # type: ignore[no-untyped-call]
+    return loads(body, content_type.decode(), encoding.decode(), accept=accept)  # type: ignore[no-untyped-call]
 
 
 #: True while the library publishes a waiting task again (a wake, a put-back): such a
