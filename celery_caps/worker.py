@@ -303,6 +303,14 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self._store_check: StoreCheck | None = None
         #: The store keeps a waiting list: this worker recovers its waiters, whatever the strategy.
         self._serves_waiters = False
+        try:
+            self._check_and_prepare(worker, caps_metrics_port)
+        except ConfigurationError as refusal:
+            # One clear line on stderr (exit status 1), not the last line of a traceback.
+            raise SystemExit(f"celery-caps: the worker cannot start: {refusal}") from None
+
+    def _check_and_prepare(self, worker: Any, caps_metrics_port: int | None) -> None:
+        """Refuse what must not run (``ConfigurationError``); check the store and set up the rest."""
         app = worker.app
         refuse_tasks_capped_without_base(app)
         capped = sorted(name for name, task in app.tasks.items() if _is_capped(task))

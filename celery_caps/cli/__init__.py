@@ -383,7 +383,7 @@ def schema(ctx: click.Context, print_sql: bool) -> None:
 @click.pass_context
 def release(ctx: click.Context, task_id: str, yes: bool) -> None:
     """Force-release every lease of TASK_ID (its slots free at once; a running task runs on);
-    a parked TASK_ID leaves the waiting list (it will not run)."""
+    a parked TASK_ID leaves the waiting list (it will not run: its result becomes REVOKED)."""
     from .. import handover
     from ..stores import checks
 
@@ -400,16 +400,32 @@ def release(ctx: click.Context, task_id: str, yes: bool) -> None:
     if waiting:
         console.print(waiter_table(waiting, title=f"task {task_id} in the waiting list"))
     if not yes:
-        what = [f"{len(leases)} lease(s)"] if leases else []
-        if waiting:
-            what.append("drop it from the waiting list (it will not run)")
-        click.confirm(f"Release {' and '.join(what)} of task {task_id}?", abort=True)
+        drop = "drop it from the waiting list (it will not run)"
+        if leases and waiting:
+            question = f"Release the {len(leases)} lease(s) of task {task_id} and {drop}?"
+        elif leases:
+            question = f"Release the {len(leases)} lease(s) of task {task_id}?"
+        else:
+            question = f"Drop task {task_id} from the waiting list (it will not run)?"
+        click.confirm(question, abort=True)
     released = guard(lambda: handover.release_task(operator, task_id))
     removed = guard(lambda: handover.forget(operator, task_id))
     if leases or released:
         click.echo(f"released {released} lease(s) of task {task_id}")
     if removed:
         click.echo(f"removed task {task_id} from the waiting list; it will not run")
+        _mark_dropped(operator.app, task_id)
+
+
+def _mark_dropped(app: Any, task_id: str) -> None:
+    """A task dropped from the waiting list ends as a revoke ends it: ``REVOKED``, with the reason,
+    so that a caller waiting on its result returns (a no-op without a result backend)."""
+    try:
+        app.backend.mark_as_revoked(task_id, "dropped from the waiting list by 'celery caps release'")
+    except Exception as exc:  # the store's change is made: say what is left undone
+        click.echo(f"warning: could not store REVOKED as the result of task {task_id}: {one_line(str(exc))}", err=True)
+        return
+    click.echo("its result is REVOKED")
 
 
 @caps.command(name="prune-keys")

@@ -178,8 +178,9 @@ def test_a_worker_refuses_to_start_with_a_task_given_a_cap_without_the_capped_ba
     # option as a class attribute, and would run the task uncapped)
     # When a worker starts on it
     code, output = worker_exit(tmp_path, UNCAPPED_APP.format(settings=settings))
-    # Then it refuses to start, naming the task and the fix
+    # Then it refuses to start, in one line naming the task and the fix (no traceback)
     assert code not in (None, 0), output
+    assert "Traceback" not in output, output
     assert "task(s) startapp.forgot_the_base declare cap= without base=CappedTask" in output, output
     assert "@app.task(base=CappedTask, cap=...)" in output, output
     [message] = {line for line in output.splitlines() if "declare cap=" in line}

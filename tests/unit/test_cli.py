@@ -356,11 +356,17 @@ def test_release_of_a_parked_task_drops_it_and_hands_its_dispatch_to_the_next_wa
     _, [dispatched] = store.release_and_wake(running, LONG)
     assert dispatched.task_id == dropped
 
+    app.conf.result_backend = "cache+memory://"
     result = run(app, "release", dropped, input="y\n")
 
     assert result.exit_code == 0, result.output
-    assert "drop it from the waiting list (it will not run)" in result.output
+    # (its dispatch leases, reserving its slot, are its leases)
+    question = f"Release the 1 lease(s) of task {dropped} and drop it from the waiting list (it will not run)?"
+    assert question in result.output, result.output
     assert f"removed task {dropped} from the waiting list; it will not run" in result.output
+    # ... its caller's result.get() returns: the task ended REVOKED, as a revoke ends it
+    assert app.AsyncResult(dropped).state == "REVOKED"
+    assert "celery caps release" in str(app.AsyncResult(dropped).result)
     # ... its slot went on to the next waiter, whose message was published
     assert [(w.task_id, w.dispatched) for w in store.waiters(slot)] == [(following, True)]
     assert [lease.task_id for lease in store.leases(slot)] == [following]
@@ -750,7 +756,11 @@ def test_schema_creates_what_is_missing_and_says_which_version(tmp_path: Path) -
     result = run(app, "schema")
     assert result.exit_code == 0, result.output
     assert result.output.strip() == f"schema version {SCHEMA_VERSION} is in place on {url}"
-    assert sa.inspect(sa.create_engine(url)).has_table("concurrency_slots")
+    engine = sa.create_engine(url)
+    try:
+        assert sa.inspect(engine).has_table("concurrency_slots")
+    finally:
+        engine.dispose()
 
 
 def test_schema_of_a_store_without_one_says_there_is_nothing_to_create() -> None:

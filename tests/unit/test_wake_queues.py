@@ -111,7 +111,7 @@ def test_tasks_sent_to_a_full_cap_are_parked_with_their_group_and_links(app: Cel
     # Then all four wait in the store, with what they need to be sent later, exactly
     waiters = {w.task_id for w in store.waiters("provider")}
     assert waiters == {r.id for r in grouped.results} | {linked.id}
-    woken = {w.task_id: decode_payload(w.payload) for w in store.readmit("provider", 30)}
+    woken = {w.task_id: decode_payload(app, w.payload) for w in store.readmit("provider", 30)}
     for result in grouped.results:
         options = woken[result.id]["options"]
         assert options["group_id"] == grouped.id and options["task_id"] == result.id

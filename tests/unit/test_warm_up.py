@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -19,7 +20,7 @@ def _app(caps_url: str) -> Celery:
 
 
 def _tables(path: Path) -> set[str]:
-    with sqlite3.connect(path) as connection:
+    with contextlib.closing(sqlite3.connect(path)) as connection:
         return {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
 
@@ -39,9 +40,12 @@ def test_warm_up_prepares_the_store_before_the_first_send(tmp_path: Path) -> Non
     # Then the store's tables are there already
     assert {"concurrency_slots", "concurrency_waiters"} <= _tables(path)
     # ... and the first send uses that store: it takes the free slot when sent
-    work.apply_async()
-    with sqlite3.connect(path) as connection:
-        assert connection.execute("SELECT count(*) FROM concurrency_slots WHERE run_id <> ''").fetchone() == (1,)
+    try:
+        work.apply_async()
+        with contextlib.closing(sqlite3.connect(path)) as connection:
+            assert connection.execute("SELECT count(*) FROM concurrency_slots WHERE run_id <> ''").fetchone() == (1,)
+    finally:
+        app.close()  # the app's store and its connections
 
 
 def test_warm_up_names_a_bad_store_url() -> None:
