@@ -71,9 +71,10 @@ def parks(runtime: CapsContext) -> bool:
     return parking_store(runtime) is not None
 
 
-def publish_woken(runtime: CapsContext, woken: Sequence[Woken]) -> list[Woken]:
+def publish_woken(runtime: CapsContext, woken: Sequence[Woken], *, stop_at_broker_error: bool = False) -> list[Woken]:
     """Publish a copy of each dispatched waiter, carrying its dispatch run id, to the wake queue
-    of its queue; returns those published.
+    of its queue; returns those published (with ``stop_at_broker_error``, those published before
+    the broker first failed: the rest are not tried).
 
     A broker that cannot be reached is logged (task id only, never the payload): the entry keeps
     answering for the task, and recovery dispatches it again once the dispatch's deadline
@@ -113,6 +114,8 @@ def publish_woken(runtime: CapsContext, woken: Sequence[Woken]) -> list[Woken]:
                     "could not publish waiting task %s[%s] (%s: %s); it is dispatched again once its dispatch expires",
                     waiter.task_name, waiter.task_id, type(broker_error).__name__, broker_error,
                 )  # fmt: skip
+                if stop_at_broker_error:
+                    break
             except Exception as bad_message:
                 unpublishable.append((waiter, signature, bad_message))
     finally:
@@ -264,12 +267,14 @@ def recover(runtime: CapsContext, caps: Collection[str] | None = None) -> list[W
 
 def readmit(runtime: CapsContext, slot: str) -> tuple[int, list[Woken]]:
     """An operator empties ``slot``'s waiting list: its waiters are published to go through
-    admission again.  Returns how many were taken off and those published."""
+    admission again.  Returns how many were taken off and those published: publishing stops at
+    the broker's first failure (each try takes Celery's publish retries); those not published
+    stay dispatched, and recovery publishes them once their dispatch expires."""
     store = parking_store(runtime)
     if store is None:
         return 0, []
     woken = store.readmit(slot, dispatch_lease_seconds(runtime))
-    return len(woken), publish_woken(runtime, woken)
+    return len(woken), publish_woken(runtime, woken, stop_at_broker_error=True)
 
 
 def check_store(app: Celery, store: SlotStore) -> None:

@@ -532,11 +532,14 @@ def drain(ctx: click.Context, name: str, yes: bool, dry_run: bool) -> None:
         dispatched, sent = guard(functools.partial(handover.readmit, operator, slot))
         taken += dispatched
         published += len(sent)
+        if len(sent) < dispatched:
+            break  # the broker failed: the other slots' waiters stay as they are
     click.echo(f"published {published} waiting task(s) of {name}; each leaves the waiting list when its copy arrives")
     if published < taken:
         raise click.ClickException(
-            f"{taken - published} task(s) could not be published (is the broker reachable?); they stay in the "
-            "waiting list, and the workers publish them again once their dispatch expires"
+            f"publishing stopped at the broker's first failure (is it reachable?): {taken - published} task(s) "
+            "were not published; they stay in the waiting list, dispatched, and the workers publish them once "
+            "their dispatch expires. Run drain again for the rest of the list once the broker is back"
         )
 
 

@@ -509,8 +509,8 @@ def test_drain_publishes_the_waiting_tasks_then_empties_the_list(
     assert run(app, "drain", cap, "--yes").output.strip() == f"{cap}: no waiting task"
 
 
-def test_drain_leaves_the_tasks_it_cannot_publish_in_the_list(
-    app: Celery, parked: list[str], store: SlotStore, prefix: str
+def test_drain_stops_at_the_brokers_first_failure_and_leaves_the_rest_in_the_list(
+    app: Celery, parked: list[str], store: SlotStore, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Given a broker that refuses connections (kombu tries once: its default retries to connect
     # take 6 s a task)
@@ -521,9 +521,13 @@ def test_drain_leaves_the_tasks_it_cannot_publish_in_the_list(
 
     assert result.exit_code == 1
     assert result.output.strip().splitlines()[-1] == (
-        "Error: 2 task(s) could not be published (is the broker reachable?); they stay in the waiting "
-        "list, and the workers publish them again once their dispatch expires"
+        "Error: publishing stopped at the broker's first failure (is it reachable?): 2 task(s) were not "
+        "published; they stay in the waiting list, dispatched, and the workers publish them once their "
+        "dispatch expires. Run drain again for the rest of the list once the broker is back"
     )
+    # ... after one try: the second task was not tried (a drain of 1,000 tasks takes one try, not 1,000)
+    failures = [r for r in caplog.records if r.getMessage().startswith("could not publish waiting task")]
+    assert len(failures) == 1, [r.getMessage() for r in failures]
     assert [(w.task_id, w.dispatched) for w in store.waiters(f"{prefix}tenant:acme")] == [
         (parked[0], True),
         (parked[1], True),
