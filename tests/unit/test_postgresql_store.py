@@ -57,12 +57,30 @@ def store(url: str) -> Iterator[PostgreSQLStore]:
 def server_connections(store: SQLStore) -> int:
     """The server sessions this store's URL opened (by its application name), not counting the one asking."""
     name = store.engine.url.query["application_name"]
-    with store.engine.connect() as connection:
-        count = connection.execute(
-            sa.text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :name AND pid <> pg_backend_pid()"),
-            {"name": name},
-        ).scalar()
+    # A connection of its own (not from the store's engine, whose pool it would keep busy), named
+    # apart so that it does not count itself.
+    probe = sa.create_engine(
+        store.engine.url.update_query_dict({"application_name": "caps-probe"}), poolclass=sa.pool.NullPool
+    )
+    try:
+        with probe.connect() as connection:
+            count = connection.execute(
+                sa.text("SELECT count(*) FROM pg_stat_activity WHERE application_name = :name"), {"name": name}
+            ).scalar()
+    finally:
+        probe.dispose()
     return int(count or 0)
+
+
+def driver_connections(store: SQLStore, expected: int) -> int:
+    """The server sessions of the store's driver pool: those of its URL once its engine (which
+    the operators' reads and this module's checks use, and which keeps a connection until idle)
+    has closed its own; waits up to 10 s for their server processes to exit."""
+    store.engine.dispose()
+    deadline = time.monotonic() + 10
+    while server_connections(store) > expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server_connections(store)
 
 
 def admit(store: SQLStore, slot: str, task_id: str) -> str:
@@ -218,7 +236,7 @@ def test_a_warm_up_rehearses_each_threads_connection_and_rolls_it_back(store: Po
     warming.start()
     warming.join(30)
     assert store.pool.idle == 3
-    assert server_connections(store) == 3  # (besides the engine's pooled one, which asks)
+    assert driver_connections(store, expected=3) == 3
 
     # Then nothing of the rehearsal was kept, and each connection ended its transaction
     with store.engine.connect() as connection:
@@ -243,7 +261,7 @@ def test_a_warm_up_rehearses_each_threads_connection_and_rolls_it_back(store: Po
     _, [woken] = store.release_and_wake(run_id, LEASE)
     assert woken.task_id == "t2"
     assert store.renew([woken.run_id], LEASE) == {woken.run_id: 1}
-    assert server_connections(store) == 3
+    assert driver_connections(store, expected=3) == 3
 
 
 def test_a_warm_up_that_fails_midway_closes_its_connection_and_raises_a_store_error(
@@ -345,6 +363,21 @@ def test_an_idle_process_closes_its_connections_by_itself(store: PostgreSQLStore
     # And the next call connects again
     assert store.release(uuid.uuid4().hex) == 0
     assert store.pool.idle == 1
+
+
+def test_a_store_made_from_a_url_owns_its_engine_and_keeps_the_engines_connections_until_idle(
+    store: PostgreSQLStore,
+) -> None:
+    # Given a store made from a URL (as every worker's is), whose connections close after 5 s unused
+    assert store._owns_engine
+    store.pool.idle_seconds = 5.0
+    # When its engine's pool lends a connection and takes it back (the operators' reads use it)
+    store.status()
+    # Then the store knows when it came back: the connection is kept until idle, not closed at
+    # once by the next call's check (a store that did not know closed it there)
+    assert store._engine_returned > 0
+    assert store._close_idle_engine(store.pool.idle_seconds) is True
+    assert store.engine.pool.checkedin() >= 1  # type: ignore[attr-defined]
 
 
 def test_a_process_limited_to_one_connection_shares_it_between_its_threads(store: PostgreSQLStore) -> None:

@@ -46,13 +46,15 @@ def sql_store(target: Any, *, create_schema: bool = True) -> SQLStore:
     on PostgreSQL with psycopg, else the portable :class:`SQLStore`."""
     from .dialects import create_engine
 
+    # A URL goes to the store itself, which builds its engine and so owns it (disposes of it, and
+    # closes what its pool keeps once idle); an engine handed in stays its owner's.
     engine = create_engine(target) if isinstance(target, str) else target
     if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg":
         from .postgresql import PostgreSQLStore
 
-        store: SQLStore = PostgreSQLStore(engine, create_schema=create_schema)
+        store_class: type[SQLStore] = PostgreSQLStore
     else:
-        store = SQLStore(engine, create_schema=create_schema)
-    # An engine built here is the store's to dispose of.
-    store._owns_engine = isinstance(target, str)
-    return store
+        store_class = SQLStore
+    if isinstance(target, str):
+        engine.dispose()  # only read for its dialect
+    return store_class(target, create_schema=create_schema)
