@@ -36,7 +36,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.connection import parse_url as _redis_parse_url
 
 from ..errors import ConfigurationError
-from .base import mask_url
+from .base import mask_url, secret_parameter
 
 #: Connection settings for clients the store creates, unless the URL sets them.  A store that
 #: hangs for long keeps a task from being put back; Redis answers the store's scripts in well
@@ -143,7 +143,7 @@ def _password_of(url: str) -> tuple[str, ...]:
         secrets = [unquote(parts.password)] if parts.password else []
     except ValueError:
         return ()
-    secrets += [value for name, value in parse_qsl(parts.query) if "password" in name.lower() and value]
+    secrets += [value for name, value in parse_qsl(parts.query) if secret_parameter(name) and value]
     return tuple(secrets)
 
 
