@@ -258,9 +258,12 @@ def put_back(
     }
     # Before publishing: the copy may run and store its final state at once.
     task.store_deferred_state(runtime, request, waiting)
-    logger.debug(
-        "%s[%s] put back for %.2f s (deferral %d): %s full",
-        task.name, request.id, countdown, deferrals + 1, ", ".join(full_slots),
+    # Once per wait at INFO (its first put-back; Celery's own line for this copy says only
+    # "ignored"), then at DEBUG.
+    logger.log(
+        logging.INFO if deferrals == 0 else logging.DEBUG,
+        "%s[%s] waits for a free slot of %s: put back for %.2f s (deferral %d)",
+        task.name, request.id, ", ".join(full_slots), countdown, deferrals + 1,
     )  # fmt: skip
     # While the published copy is built, this task must not count as its own
     # parent (Celery would set parent_id to its own id).

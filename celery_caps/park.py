@@ -299,7 +299,11 @@ def admit(
         runtime.metrics.admitted(slots, messages.seconds_waited(request))
         return decision.run_id
     if decision.verdict is Verdict.PARKED:
-        logger.debug("%s[%s] parked: %s full", task.name, request.id, ", ".join(slots))
+        # Once per wait (Celery's own line for this copy says only "ignored").
+        logger.info(
+            "%s[%s] waits for a free slot of %s, in the waiting list (its place: celery caps explain %s)",
+            task.name, request.id, ", ".join(slots), request.id,
+        )  # fmt: skip
         task.end_deferred_copy(runtime, request, waiting)
     if decision.verdict is Verdict.ANSWERED:
         if arrival.dispatch_run_id or arrival.redelivered:

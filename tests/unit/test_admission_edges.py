@@ -154,3 +154,48 @@ def test_an_errback_of_the_failed_tasks_own_type_is_a_plain_call(app: Celery) ->
             time.sleep(0.05)
         assert calls == [("errback", result.id)]
         assert app.conf.caps_url.leases() == []
+
+
+@pytest.mark.parametrize("strategy", ["park", "backoff"])
+def test_a_waiting_task_says_so_once_at_info(app: Celery, strategy: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Celery's own line for a copy that waits says only "ignored": celery-caps says, once per wait,
+    # that it waits and for what.
+    app.conf.caps_strategy = strategy
+    caplog.set_level(logging.INFO, logger="celery_caps")
+
+    @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False)
+    def call(value: int) -> int:
+        return value * 2
+
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        # Given the cap's only slot held by another run
+        store = app.conf.caps_url
+        slots = slots_for(call._caps, (21,), {})
+        assert store.acquire(slots, "other-task", "other-run", "elsewhere", 30.0).granted
+        # When the task arrives and waits (with backoff, through several put-backs)
+        result = call.delay(21)
+        waited = time.monotonic() + 10
+        while time.monotonic() < waited and not any(
+            "waits for a free slot" in record.getMessage() for record in caplog.records
+        ):
+            time.sleep(0.05)
+        time.sleep(4 * BACKOFF_SECONDS)  # room for more put-backs
+        # ... and then the slot frees
+        handed_over = store.release_and_wake("other-run", 30.0)[1] if strategy == "park" else []
+        if strategy == "backoff":
+            store.release("other-run")
+        elif handed_over:
+            from celery_caps import handover
+            from celery_caps.runtime import runtime_for
+
+            handover.publish_woken(runtime_for(app), handed_over)
+        assert result.get(timeout=10) == 42
+
+    # Then one INFO line said it waits, naming the slot and the task
+    waiting = [
+        record
+        for record in caplog.records
+        if record.levelno == logging.INFO and "waits for a free slot" in record.getMessage()
+    ]
+    assert len(waiting) == 1, [record.getMessage() for record in waiting]
+    assert f"[{result.id}]" in waiting[0].getMessage() and "provider" in waiting[0].getMessage()
