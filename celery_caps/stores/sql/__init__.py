@@ -44,17 +44,19 @@ __all__ = [
 def sql_store(target: Any, *, create_schema: bool = True) -> SQLStore:
     """The SQL store for ``target`` (a URL or an ``Engine``): :class:`~.postgresql.PostgreSQLStore`
     on PostgreSQL with psycopg, else the portable :class:`SQLStore`."""
-    from .dialects import create_engine
+    from .dialects import parse_url
 
     # A URL goes to the store itself, which builds its engine and so owns it (disposes of it, and
     # closes what its pool keeps once idle); an engine handed in stays its owner's.
-    engine = create_engine(target) if isinstance(target, str) else target
-    if engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg":
+    if isinstance(target, str):
+        parsed = parse_url(target)
+        dialect, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    else:
+        dialect, driver = target.dialect.name, target.dialect.driver
+    if dialect == "postgresql" and driver == "psycopg":
         from .postgresql import PostgreSQLStore
 
         store_class: type[SQLStore] = PostgreSQLStore
     else:
         store_class = SQLStore
-    if isinstance(target, str):
-        engine.dispose()  # only read for its dialect
     return store_class(target, create_schema=create_schema)

@@ -16,6 +16,7 @@ serializable).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,6 +298,18 @@ def read_committed_engine(engine: Engine, dialect: Dialect) -> Engine:
     return engine.execution_options(isolation_level=READ_COMMITTED)
 
 
+def parse_url(url: str) -> sa.engine.URL:
+    """``caps_url`` parsed.
+
+    Raises:
+        ConfigurationError: it is not a SQLAlchemy URL.
+    """
+    try:
+        return sa.engine.make_url(url)
+    except sa.exc.ArgumentError as exc:
+        raise ConfigurationError(f"caps_url {mask_url(url)!r} is not a valid SQLAlchemy URL") from exc
+
+
 def create_engine(url: str) -> Engine:
     """An engine for ``caps_url``, with each database's options (see the module docstring).
 
@@ -304,10 +317,7 @@ def create_engine(url: str) -> Engine:
         ConfigurationError: the URL cannot be parsed, or names a driver SQLAlchemy does not know.
         MissingDependencyError: the driver is not installed.
     """
-    try:
-        parsed = sa.engine.make_url(url)
-    except sa.exc.ArgumentError as exc:
-        raise ConfigurationError(f"caps_url {mask_url(url)!r} is not a valid SQLAlchemy URL") from exc
+    parsed = parse_url(url)
     backend = parsed.get_backend_name()
     # Every transaction here ends in COMMIT or ROLLBACK; a reset on return would only add a round trip.
     options: dict[str, Any] = {"pool_reset_on_return": None}
@@ -347,10 +357,25 @@ def create_engine(url: str) -> Engine:
     except sa.exc.ArgumentError as exc:
         raise ConfigurationError(f"caps_url {mask_url(url)!r}: {exc}") from exc
     if backend == "sqlite":
+        _warn_of_a_relative_path(url, parsed)
         _serialise_sqlite_writers(engine)
     if backend == "postgresql" and parsed.get_driver_name() == "psycopg":
         _configure_psycopg_sessions(engine, prepare=not explicit)
     return engine
+
+
+def _warn_of_a_relative_path(url: str, parsed: sa.engine.URL) -> None:
+    """A relative SQLite path names another database in each working directory: a worker, beat
+    and ``celery caps`` started from different places would not share their caps."""
+    database = parsed.database or ""
+    if not database or database == ":memory:" or database.startswith("file:") or os.path.isabs(database):
+        return
+    logger.warning(
+        "caps_url %r is a relative SQLite path: this process uses %s. A process started from another "
+        "directory uses another database, and does not share these caps: use an absolute path "
+        "('sqlite:////absolute/path/caps.db')",
+        mask_url(url), os.path.abspath(database),
+    )  # fmt: skip
 
 
 def _serialise_sqlite_writers(engine: Engine) -> None:
