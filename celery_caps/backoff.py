@@ -43,6 +43,7 @@ def admit(
     except StoreError as exc:
         on_store_error(task, runtime, request, slots, args, kwargs, exc)
         return None
+    runtime.health.answered()
     if not admission.granted:
         put_back(task, runtime, request, slots, list(admission.full_slots), args, kwargs)
     runtime.metrics.admitted(slots, seconds_waited(request))

@@ -260,10 +260,11 @@ def put_back(
     task.store_deferred_state(runtime, request, waiting)
     # Once per wait at INFO (its first put-back; Celery's own line for this copy says only
     # "ignored"), then at DEBUG.
+    waits_for = "the slot store to answer" if reason == "store_error" else f"a free slot of {', '.join(full_slots)}"
     logger.log(
         logging.INFO if deferrals == 0 else logging.DEBUG,
-        "%s[%s] waits for a free slot of %s: put back for %.2f s (deferral %d)",
-        task.name, request.id, ", ".join(full_slots), countdown, deferrals + 1,
+        "%s[%s] waits for %s: put back for %.2f s (deferral %d)",
+        task.name, request.id, waits_for, countdown, deferrals + 1,
     )  # fmt: skip
     # While the published copy is built, this task must not count as its own
     # parent (Celery would set parent_id to its own id).
@@ -290,12 +291,18 @@ def on_store_error(
     exc: StoreError,
 ) -> None:
     """Admission met a store error: ``caps_on_store_error`` says whether the task runs uncapped
-    (returns), fails (raises ``exc``) or is put back (raises ``Ignore``)."""
+    (returns), fails (raises ``exc``) or is put back (raises ``Ignore``).
+
+    The store and the cause are reported by the process's :class:`~celery_caps.health.StoreHealth`:
+    once when the outage starts, then a reminder a minute, and once when the store answers again;
+    each task affected gets one short line (at WARNING if it runs uncapped, else at DEBUG).
+    """
+    runtime.health.failed(exc)
     policy = runtime.settings.on_store_error
     if policy == "run":
-        logger.warning("%s[%s] runs uncapped: slot store error (%s)", task.name, request.id, describe(exc))
+        logger.warning("%s[%s] runs uncapped: the slot store cannot be used", task.name, request.id)
         return
     if policy == "fail":
         raise exc
-    logger.warning("%s[%s] put back: slot store error (%s)", task.name, request.id, describe(exc))
+    logger.debug("%s[%s] put back: the slot store cannot be used (%s)", task.name, request.id, describe(exc))
     put_back(task, runtime, request, slots, list(slots), args, kwargs, reason="store_error")

@@ -265,6 +265,7 @@ def admit(
                 max_waiters=parking.max_waiters, max_payload_bytes=parking.max_payload_bytes,
                 max_wait_seconds=settings.max_wait_seconds,
             )  # fmt: skip
+            runtime.health.answered()
             break
         except StoreError as exc:
             if arrival.dispatch_run_id is None:

@@ -306,7 +306,7 @@ def test_database_crash_loses_no_task_keeps_the_caps_and_leaves_nothing_behind(
     fleet.wait_for_expiry(LEASE_SECONDS + 5)
     swept_at_end = fleet.sweep_to_sentinels()
     counts = {
-        "put back on store errors": logs.count("put back: slot store error"),
+        "store outages reported": logs.count("the slot store cannot be used"),
         "renewals failed": logs.count("lease renewal failed"),
         "releases failed": logs.count("could not release run"),
         "releases retried": len(re.findall(r"released run \S+ after an earlier failure", logs)),

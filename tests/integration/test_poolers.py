@@ -113,7 +113,13 @@ def test_caps_hold_through_a_connection_pooler_with_the_default_url(
 
     # ... and the worker logs hold no store error (a prepared statement of another client, say)
     logs = fleet.tails(lines=2000)
-    for symptom in ("DuplicatePreparedStatement", "InvalidSqlStatementName", "ProtocolViolation", "slot store error"):
+    symptoms = (
+        "DuplicatePreparedStatement",
+        "InvalidSqlStatementName",
+        "ProtocolViolation",
+        "slot store cannot be used",
+    )
+    for symptom in symptoms:
         assert symptom not in logs, f"{symptom} in the worker logs"
 
     # ... nothing is left behind: no lease; after a sweep (through the pooler) only sentinels

@@ -100,7 +100,7 @@ def test_a_worker_whose_store_comes_later_says_so_and_its_tasks_run(tmp_path: Pa
     )
     # and a capped task sent meanwhile, which waits
     result = worker.send("ops.hold", 0.01, "done")
-    wait_for(lambda: "put back: slot store error (cannot connect" in worker.log(), 60, worker.log)
+    wait_for(lambda: f"ops.hold[{result.id}] waits for the slot store to answer" in worker.log(), 60, worker.log)
 
     # When the store can be opened
     folder.mkdir()

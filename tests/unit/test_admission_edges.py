@@ -199,3 +199,63 @@ def test_a_waiting_task_says_so_once_at_info(app: Celery, strategy: str, caplog:
     ]
     assert len(waiting) == 1, [record.getMessage() for record in waiting]
     assert f"[{result.id}]" in waiting[0].getMessage() and "provider" in waiting[0].getMessage()
+
+
+def test_a_store_outage_is_reported_once_not_at_every_put_back(app: Celery, caplog: pytest.LogCaptureFixture) -> None:
+    # Given a store that fails every admission until told otherwise (caps_on_store_error "defer":
+    # the task is put back, again and again)
+    class FlakyStore(MemoryStore):
+        away = True
+
+        def _check(self, operation: str) -> None:
+            if self.away:
+                from celery_caps.errors import StoreError
+
+                raise StoreError(f"{operation} failed on flaky://store: the store is away (simulated)")
+
+        def acquire(self, *args: Any, **kwargs: Any) -> Any:
+            self._check("acquire")
+            return super().acquire(*args, **kwargs)
+
+        def recover(self, *args: Any, **kwargs: Any) -> Any:  # the worker's recovery meets it too
+            self._check("recover")
+            return super().recover(*args, **kwargs)
+
+    store = FlakyStore()
+    app.conf.caps_url = store
+    caplog.set_level(logging.DEBUG, logger="celery_caps")
+
+    @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False)
+    def call(value: int) -> int:
+        return value * 2
+
+    received: list[Any] = []
+
+    def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+        received.append(request)
+
+    signals.task_received.connect(on_received, weak=False)
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+            # When a task meets the outage through several put-backs, then the store answers
+            result = call.delay(21)
+            deadline = time.monotonic() + 10
+            while len(received) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(received) >= 4, f"{len(received)} copies received"
+            store.away = False
+            assert result.get(timeout=10) == 42
+    finally:
+        signals.task_received.disconnect(on_received)
+
+    # Then the outage was reported once at WARNING, with the store and the cause, and once when it
+    # ended; each put-back said only a short line below WARNING
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "memory://" not in r.getMessage()
+    ]
+    outage = [m for m in warnings if "the slot store cannot be used" in m]
+    assert len(outage) == 1 and "the store is away (simulated)" in outage[0], warnings
+    assert len([m for m in warnings if "the slot store answers again" in m]) == 1, warnings
+    assert len(warnings) == 2, warnings
+    put_backs = [r for r in caplog.records if "put back: the slot store cannot be used" in r.getMessage()]
+    assert len(put_backs) >= 3 and all(r.levelno == logging.DEBUG for r in put_backs)
