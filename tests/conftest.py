@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import re
 import signal
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import pytest
 
@@ -67,11 +69,37 @@ def pytest_configure(config: pytest.Config) -> None:
     _terminal = open(os.dup(2), "w", encoding="utf-8", errors="replace")  # noqa: SIM115 - lives as long as the run
 
 
+#: The line :func:`pytest_terminal_summary` makes, printed last of all by :func:`pytest_unconfigure`.
+_SKIPPED_FOR_SERVICES = pytest.StashKey[str]()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     global _terminal
+    line = config.stash.get(_SKIPPED_FOR_SERVICES, None)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line(line)
     if _terminal is not None:
         _terminal.close()
         _terminal = None
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """One line at the end: how many tests skipped for want of each service (``CAPS_TEST_*`` unset
+    or unreachable), so that a run without servers says what it did not prove."""
+    missing: Counter[str] = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr or "")
+        found = re.search(r"\b(CAPS_TEST_[A-Z_]+)\b", reason)
+        if found:
+            missing[found.group(1)] += 1
+    if missing:
+        counts = ", ".join(f"{variable} {count}" for variable, count in sorted(missing.items()))
+        config.stash[_SKIPPED_FOR_SERVICES] = (
+            f"celery-caps: {sum(missing.values())} test(s) skipped for want of a service: {counts} "
+            "(README, Development: the CAPS_TEST_* variables)"
+        )
 
 
 def _phase_limit(item: pytest.Item) -> float | None:
