@@ -96,8 +96,12 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
         state = "dispatched"
     elif backend and backend["state"] not in ("DEFERRED", "STARTED", "RECEIVED"):
         state = f"finished ({backend['state']})"
-    elif (deferred and (not runs or deferred[-1].at > runs[-1].at)) or (backend and backend["state"] == "DEFERRED"):
+    elif backend and backend["state"] == "DEFERRED":
         state = "waiting"
+    elif deferred and (not runs or deferred[-1].at > runs[-1].at):
+        # Known from the history alone, which workers write in batches: a run that ended since
+        # may not show yet, so say what is known.
+        state = LAST_SEEN_WAITING
     elif runs:
         state = "ran"
     else:
@@ -160,8 +164,11 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
     }
 
 
-#: The states of a task that waits for its caps now.
-_WAITING_STATES = ("parked", "dispatched", "waiting")
+#: A task whose last recorded event is a put-back, and that the store and the result backend
+#: know nothing more of: it waited then, and may have run since (history is written in batches).
+LAST_SEEN_WAITING = "last seen waiting"
+#: The states of a task that waits for its caps now (as far as is known).
+_WAITING_STATES = ("parked", "dispatched", "waiting", LAST_SEEN_WAITING)
 
 
 def _waited(
@@ -207,6 +214,12 @@ def print_explanation(report: Mapping[str, Any]) -> None:
             )
     if report["state"] == "dispatched":
         console.print("  dispatched: its slots are reserved for it and its message is on the way")
+    if report["state"] == LAST_SEEN_WAITING and report["last_deferred_at"]:
+        last = report["last_deferred_at"]
+        console.print(
+            f"  last seen waiting at {clock(last)} ({duration(now - last)} ago): the history is written in "
+            "batches, so a run since then may not show yet (a result backend would tell)"
+        )
     if report["waited_seconds"] is not None and not report["waiting"]:
         console.print(f"  waited {duration(report['waited_seconds'])} for its caps before it ran")
     if report["deferrals"]:

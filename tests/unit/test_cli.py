@@ -248,7 +248,10 @@ def test_explain_a_waiting_task_names_the_full_cap_and_its_holder(
     result = run(app, "explain", busy["waiting"], "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert (report["state"], report["task_name"], report["deferrals"]) == ("waiting", f"{prefix}import_file", 2)
+    # (known from the history alone, which workers write in batches: what is known is said)
+    assert (report["state"], report["task_name"], report["deferrals"]) == (
+        "last seen waiting", f"{prefix}import_file", 2,
+    )  # fmt: skip
     assert report["last_full_slots"] == [f"{prefix}tenant:acme"]
     by_slot = {slot["slot"]: slot for slot in report["slots"]}
     assert by_slot[f"{prefix}tenant:acme"]["full"] is True
@@ -256,7 +259,8 @@ def test_explain_a_waiting_task_names_the_full_cap_and_its_holder(
     assert by_slot[f"{prefix}provider"]["full"] is False
 
     text = run(app, "explain", busy["waiting"]).output
-    assert "waiting" in text and "put back 2 time(s)" in text and "FULL" in text and busy["running"] in text
+    assert "put back 2 time(s)" in text and "FULL" in text and busy["running"] in text
+    assert "last seen waiting at " in text and "a run since then may not show yet" in text, text
 
 
 def test_explain_a_running_and_a_finished_task(app: Celery, busy: dict[str, Any], prefix: str) -> None:
