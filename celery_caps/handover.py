@@ -74,7 +74,8 @@ def parks(runtime: CapsContext) -> bool:
 def publish_woken(runtime: CapsContext, woken: Sequence[Woken], *, stop_at_broker_error: bool = False) -> list[Woken]:
     """Publish a copy of each dispatched waiter, carrying its dispatch run id, to the wake queue
     of its queue; returns those published (with ``stop_at_broker_error``, those published before
-    the broker first failed: the rest are not tried).
+    the broker first failed: the rest are not tried).  A waiter parked outside (its message in
+    the broker already) counts as published: there is nothing to publish.
 
     A broker that cannot be reached is logged (task id only, never the payload): the entry keeps
     answering for the task, and recovery dispatches it again once the dispatch's deadline
@@ -94,7 +95,9 @@ def publish_woken(runtime: CapsContext, woken: Sequence[Woken], *, stop_at_broke
     try:
         for waiter in woken:
             if waiter.payload == OUTSIDE_PAYLOAD:
-                continue  # its message waits in the broker and claims the dispatch when it comes back
+                # Its message is in the broker already, and claims the dispatch when it comes back.
+                published.append(waiter)
+                continue
             signature = None
             try:
                 signature = app.signature(decode_payload(app, waiter.payload))

@@ -29,7 +29,15 @@ from celery_caps import Cap, CappedTask
 from celery_caps.cli import caps, duration, parse_duration
 from celery_caps.messages import encode_payload, wake_queue_name
 from celery_caps.stores import store_from_url
-from celery_caps.stores.base import DISPATCH_HOLDER, HistoryEvent, ParkingStore, ParkOutcome, ParkRequest, SlotStore
+from celery_caps.stores.base import (
+    DISPATCH_HOLDER,
+    OUTSIDE_PAYLOAD,
+    HistoryEvent,
+    ParkingStore,
+    ParkOutcome,
+    ParkRequest,
+    SlotStore,
+)
 from celery_caps.stores.sql import SCHEMA_VERSION, SQLStore
 from celery_caps.stores.sql.postgresql import PostgreSQLStore
 from tests.services import own_status, private_sql_url
@@ -511,6 +519,30 @@ def test_drain_publishes_the_waiting_tasks_then_empties_the_list(
     assert all(message["caps_dispatch_run_id"] for message in messages)
     assert [(w.task_id, w.dispatched) for w in store.waiters(f"{cap}:acme")] == [(t, True) for t in parked]
     assert run(app, "drain", cap, "--yes").output.strip() == f"{cap}: no waiting task"
+
+
+def test_drain_counts_a_task_parked_without_its_message_as_published(
+    app: Celery, parked: list[str], store: SlotStore, prefix: str
+) -> None:
+    # Given, behind the two parked tasks, one parked outside (its message, too large for the store,
+    # waits in the broker)
+    cap = f"{prefix}tenant"
+    name = next(name for name in app.tasks if name.endswith("import_file"))
+    outside = f"{prefix}outside"
+    request = ParkRequest(
+        {f"{cap}:acme": 1}, outside, uuid.uuid4().hex, "w2@host-b/2", LONG, 3.0, 100, name, OUTSIDE_PAYLOAD
+    )
+    assert store.park(request) == ParkOutcome.PARKED
+
+    result = run(app, "drain", cap, "--yes")
+
+    # Then all three are drained: two copies published, and the third's own message claims its
+    # dispatch when it comes back (nothing to publish, and no error for it)
+    assert result.exit_code == 0, result.output
+    assert f"published 3 waiting task(s) of {cap}" in result.output
+    assert [message["id"] for message in published(app)] == parked
+    listed = sorted((w.task_id, w.dispatched) for w in store.waiters(f"{cap}:acme"))
+    assert listed == sorted((t, True) for t in [*parked, outside])
 
 
 def test_drain_stops_at_the_brokers_first_failure_and_leaves_the_rest_in_the_list(
