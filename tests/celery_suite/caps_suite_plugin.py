@@ -58,7 +58,29 @@ DESELECTED: dict[str, str] = {
         "22 canvases of 2-4 s sleeps within its own 20 s timeout: times out uncapped now and then "
         "(Celery marks it flaky), and always under a binding cap of 2 (the sleeps run two at a time)"
     ),
+    "test_tasks.py::test_tasks::test_retry": (
+        "the task counts its attempts in an attribute of the task object, i.e. per pool process: "
+        "it needs a pool of one (Celery's suite runs -c 1).  With -c 4 an attempt that lands on "
+        "another process counts afresh and max_retries ends it with ExpectedException: in runs of "
+        "`-k retry`, 2 of 4 failed uncapped and 5 of 8 under the binding cap"
+    ),
 }
+
+#: Tests rerun (up to twice) when they fail, with the race in Celery that fails them now and then
+#: (node id suffix -> reason).  Celery's own ``@flaky`` marks are removed: no other test is rerun.
+RERUN: dict[str, str] = {
+    "test_tasks.py::test_tasks::test_retry_preserves_ignore_result_false": (
+        "Celery sends the retry's message before the first attempt stores RETRY, and "
+        "_store_result's guard against overwriting SUCCESS reads, then writes: a retried attempt "
+        "that stores SUCCESS between the two leaves RETRY as the final state.  Traced in this "
+        "harness (runs of `-k retry`), the retried attempt's SUCCESS landed before the first "
+        "attempt's RETRY write for 3 of 14 retried tasks uncapped and 6 of 10 under the binding cap "
+        "(history on); the guard nearly always keeps SUCCESS"
+    ),
+}
+#: Seconds a test's teardown waits for the waiting list to empty, so that no task of one test is
+#: woken during the next (whose signal handlers would see it); then the run goes on regardless.
+QUIET_SECONDS = 20.0
 
 
 def _limit() -> int | None:
@@ -121,6 +143,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     Wake messages are published to a ``Queue`` object, never looked up in ``app.amqp.queues``."""
     from celery_caps.messages import is_wake_queue
 
+    _wait_for_quiet()
     app = _session.get("app")
     hidden = {}
     if app is not None:
@@ -132,6 +155,22 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         if app is not None:
             for name, queue in hidden.items():
                 app.amqp.queues.setdefault(name, queue)
+
+
+def _wait_for_quiet() -> None:
+    """Wait (at most ``QUIET_SECONDS``) until no task waits for the cap: a task of this test woken
+    during the next one would meet that test's ``task_received`` handlers and counters (as
+    ``test_replaced_task_nesting_level_0``'s did).  Uncapped, nothing waits."""
+    if _limit() is None:
+        return
+    store = _session.get("store")
+    if store is None:
+        from celery_caps.stores import store_from_url
+
+        store = _session["store"] = store_from_url(os.environ["CAPS_SUITE_CAPS_URL"])
+    deadline = time.monotonic() + QUIET_SECONDS
+    while store.waiters() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _use_redis_db(function: Any, db: int) -> None:
@@ -163,6 +202,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         in_ci = _in_ci_subset(item)
         if in_ci:
             item.add_marker(pytest.mark.celery_suite_ci)
+        item.own_markers[:] = [mark for mark in item.own_markers if mark.name != "flaky"]
+        if any(item.nodeid.endswith(suffix) for suffix in RERUN):
+            item.add_marker(pytest.mark.flaky(reruns=2, reruns_delay=1))
         reason = next((why for suffix, why in DESELECTED.items() if item.nodeid.endswith(suffix)), None)
         if reason is not None or (subset == "ci" and not in_ci):
             dropped.append(item)
@@ -250,6 +292,9 @@ def _caps_report() -> dict[str, Any]:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    store = _session.pop("store", None)
+    if store is not None:
+        store.close()
     if _limit() is None or "CAPS_SUITE_REPORT" not in os.environ:
         return
     report = _caps_report()
