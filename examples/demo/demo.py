@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +53,10 @@ START_DEADLINE_SECONDS = 60.0
 STOP_DEADLINE_SECONDS = 15.0
 #: Seconds between screen refreshes.
 REFRESH_SECONDS = 0.25
+#: ``--crash``: runs started before one is killed, and kills tried before giving up (a kill finds
+#: the process between runs when its task ends in the meantime).
+CRASH_AFTER_STARTS = 3
+CRASH_TRIES = 5
 
 
 class DemoFailed(Exception):
@@ -157,6 +161,12 @@ class Observed:
     #: task id -> number of body starts.
     starts_per_task: Counter[str] = field(default_factory=Counter)
     ready_workers: set[str] = field(default_factory=set)
+    #: pool process id -> (task id, tenant) of the run it has started and not ended.
+    open_runs: dict[int, tuple[str, str]] = field(default_factory=dict)
+    #: (task id, pid) of each run whose pool process was killed mid-run (``--crash``).
+    killed_runs: list[tuple[str, int]] = field(default_factory=list)
+    #: Kills that found the process between runs (its task had ended just before).
+    kills_between_runs: int = 0
     first_start: float | None = None
     last_end: float | None = None
 
@@ -173,14 +183,14 @@ class Observed:
         return {task_id for task_id in self.tasks_that_waited() if not self.starts_per_task[task_id]}
 
 
-def read_events(path: Path) -> list[tuple[str, str | None, str | None, str | None, float, int | None]]:
+def read_events(path: Path) -> list[tuple[str, str | None, str | None, str | None, float, int | None, int]]:
     """Every event row, oldest first (read-only; the writers are never blocked)."""
     if not path.exists():
         return []
     connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
     try:
         return connection.execute(
-            "SELECT kind, task_id, tenant, worker, at, deferrals FROM events ORDER BY at, id"
+            "SELECT kind, task_id, tenant, worker, at, deferrals, pid FROM events ORDER BY at, id"
         ).fetchall()
     except sqlite3.OperationalError:  # the table is not there yet
         return []
@@ -193,16 +203,18 @@ def observe(path: Path, provider_label: str, tenant_label: str) -> Observed:
 
     A task's body starts after it took its leases and ends before it releases
     them, so if the caps hold, the start..end intervals of one slot never
-    overlap more than its limit.  At equal timestamps ends count first (a slot
-    is released before the next admission can see it free).
+    overlap more than its limit.  A run whose pool process was killed (``--crash``) ends when
+    the kill was sent: its slots are free only later, once its worker has seen the process die.
+    At equal timestamps ends count first (a slot is released before the next admission can see
+    it free).
     """
     observed = Observed()
     rows = read_events(path)
-    order = {"end": 0, "start": 1}
+    order = {"end": 0, "killed": 0, "start": 1}
     timeline = sorted(
-        ((at, order[kind], index) for index, (kind, *_rest, at, _d) in enumerate(rows) if kind in order),
+        ((at, order[kind], index) for index, (kind, *_rest, at, _d, _pid) in enumerate(rows) if kind in order),
     )
-    for kind, task_id, _tenant, worker, _at, _deferrals in rows:
+    for kind, task_id, _tenant, worker, _at, _deferrals, _pid in rows:
         if kind == "ready" and worker:
             observed.ready_workers.add(worker)
         elif kind == "attempt":
@@ -211,9 +223,19 @@ def observe(path: Path, provider_label: str, tenant_label: str) -> Observed:
         elif kind == "waited":
             observed.started_after_waiting.add(task_id or "")
     for at, _order, index in timeline:
-        kind, task_id, tenant, _worker, _at, _deferrals = rows[index]
+        kind, task_id, tenant, _worker, _at, _deferrals, pid = rows[index]
+        if kind == "killed":
+            killed_run = observed.open_runs.pop(pid, None)
+            if killed_run is None:
+                observed.kills_between_runs += 1
+                continue
+            observed.killed_runs.append((killed_run[0], pid))
+            for label in (provider_label, f"{tenant_label}:{killed_run[1]}"):
+                observed.running[label] -= 1
+            continue
         labels = (provider_label, f"{tenant_label}:{tenant}")
         if kind == "start":
+            observed.open_runs[pid] = (task_id or "", tenant or "")
             observed.starts += 1
             observed.starts_per_task[task_id or ""] += 1
             observed.first_start = at if observed.first_start is None else observed.first_start
@@ -221,6 +243,7 @@ def observe(path: Path, provider_label: str, tenant_label: str) -> Observed:
                 observed.running[label] += 1
                 observed.peak[label] = max(observed.peak[label], observed.running[label])
         else:
+            observed.open_runs.pop(pid, None)
             observed.ends += 1
             observed.runs_per_task[task_id or ""] += 1
             observed.last_end = at
@@ -323,8 +346,45 @@ def check_alive(workers: Iterable[Worker]) -> None:
             )
 
 
-def watch(plan: Plan, workers: Sequence[Worker], observations: Path, timeout: float, plain: bool) -> Observed:
-    """Refresh the display until every task has completed; return the last observation."""
+def crasher(demoapp: ModuleType) -> Callable[[Observed], None]:
+    """``--crash``: kill one pool process (SIGKILL, as the OOM killer does) in the middle of a run.
+
+    Its worker sees the process die, releases the run's slots and gives the message back to the
+    broker (``task_acks_late``, ``task_reject_on_worker_lost``): the task runs again.  The kill is
+    recorded with the time it was sent, which ends the run for the peaks.
+    """
+    tried: set[int] = set()
+
+    def crash(observed: Observed) -> None:
+        if observed.killed_runs or len(tried) >= CRASH_TRIES or observed.starts < CRASH_AFTER_STARTS:
+            return
+        candidates = [pid for pid in observed.open_runs if pid not in tried]
+        if not candidates:
+            return
+        pid = candidates[-1]  # the run started last: the least likely to end before the kill
+        task_id, tenant = observed.open_runs[pid]
+        tried.add(pid)
+        sent_at = time.time()
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        demoapp.record("killed", None, task_id, tenant, pid=pid, at=sent_at)
+        print(f"--crash: killed pool process {pid} (SIGKILL) while it ran task {task_id}", flush=True)
+
+    return crash
+
+
+def watch(
+    plan: Plan,
+    workers: Sequence[Worker],
+    observations: Path,
+    timeout: float,
+    plain: bool,
+    crash: Callable[[Observed], None] | None = None,
+) -> Observed:
+    """Refresh the display until every task has completed; return the last observation.
+    ``crash`` is shown each observation (``--crash``)."""
     from rich.console import Console
     from rich.live import Live
 
@@ -355,7 +415,10 @@ def watch(plan: Plan, workers: Sequence[Worker], observations: Path, timeout: fl
             observed = observe(observations, plan.provider_label, plan.tenant_label)
             raise DemoFailed(f"only {observed.ends} of {expected} tasks completed within {timeout:.0f} s")
         time.sleep(REFRESH_SECONDS)
-        return observe(observations, plan.provider_label, plan.tenant_label)
+        observed = observe(observations, plan.provider_label, plan.tenant_label)
+        if crash is not None:
+            crash(observed)
+        return observed
 
     observed = observe(observations, plan.provider_label, plan.tenant_label)
     if plain:
@@ -393,6 +456,7 @@ def report(
     total: float,
     pool_slots: int | None,
     strategy: str,
+    crash: bool = False,
 ) -> list[str]:
     """Print the figures; return the failures (empty: success)."""
     failures = []
@@ -411,8 +475,17 @@ def report(
     task_ids = [task_id for task_id, _tenant, _seconds in plan.tasks]
     completed_once = sum(1 for task_id in task_ids if observed.runs_per_task[task_id] == 1)
     never = [task_id for task_id in task_ids if observed.runs_per_task[task_id] == 0]
-    twice = [task_id for task_id in task_ids if observed.starts_per_task[task_id] > 1]
+    # A run whose process was killed is not a second run of its task: its message ran again.
+    kills = Counter(task_id for task_id, _pid in observed.killed_runs)
+    twice = [task_id for task_id in task_ids if observed.starts_per_task[task_id] - kills[task_id] > 1]
     print(f"tasks completed exactly once: {completed_once}/{len(task_ids)}")
+    for task_id, pid in observed.killed_runs:
+        print(
+            f"pool process {pid} killed mid-run (--crash): its task {task_id} started "
+            f"{observed.starts_per_task[task_id]} times and completed {observed.runs_per_task[task_id]}"
+        )
+    if crash and not observed.killed_runs:
+        failures.append(f"--crash: none of {CRASH_TRIES} kills found its process running a task")
     if never:
         failures.append(f"{len(never)} task(s) never completed, e.g. {never[0]}")
     if twice:
@@ -482,7 +555,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="start no workers: publish, watch and check while you run them (see README.md)",
     )
     parser.add_argument("--plain", action="store_true", help="print plain lines instead of a live table")
+    parser.add_argument(
+        "--crash",
+        action="store_true",
+        help="kill one pool process (SIGKILL) while it runs a task: its slots come back and its task runs again",
+    )
     args = parser.parse_args(argv)
+    if args.crash and args.no_workers:
+        parser.error("--crash kills a pool process of the workers the demo starts: not with --no-workers")
     for name in ("workers", "concurrency", "tasks", "provider_limit", "tenant_limit"):
         if getattr(args, name) < 1 and not (name == "workers" and args.no_workers):
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -563,7 +643,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             + ", ".join(f"{t} {n}" for t, n in Counter(t for _i, t, _s in plan.tasks).most_common()),
             flush=True,
         )
-        observed = watch(plan, workers, observations, args.timeout, args.plain)
+        crash = crasher(demoapp) if args.crash else None
+        observed = watch(plan, workers, observations, args.timeout, args.plain, crash)
         if workers:
             killed = stop_workers(workers)
         # Read again once nothing runs any more: a duplicate run would show now.
@@ -571,7 +652,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         leftover = leases_left(store_url, {task_id for task_id, _t, _s in plan.tasks})
         wall = (observed.last_end or published_at) - published_at
         pool_slots = args.workers * args.concurrency if workers else None
-        failures = report(plan, observed, leftover, killed, wall, time.monotonic() - began, pool_slots, args.strategy)
+        failures = report(
+            plan, observed, leftover, killed, wall, time.monotonic() - began, pool_slots, args.strategy, args.crash
+        )
     except KeyboardInterrupt:
         failures = ["interrupted"]
         print("\ninterrupted: stopping the workers", file=sys.stderr)

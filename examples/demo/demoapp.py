@@ -56,6 +56,11 @@ app.conf.update(
     task_ignore_result=True,
     # One message per pool process at a time: the rest stay in the broker for other workers.
     worker_prefetch_multiplier=1,
+    # As the README recommends for capped tasks: a message is acknowledged once its task has
+    # run, and the message of a pool process killed mid-task (the OOM killer, `demo.py
+    # --crash`) goes back to the broker, to run again.
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
     worker_hijack_root_logger=True,
     broker_connection_retry_on_startup=True,
     caps_url=STORE_URL,
@@ -101,11 +106,11 @@ def tenant_of(tenant: str, seconds: float) -> str:
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
     id INTEGER PRIMARY KEY,
-    kind TEXT NOT NULL,          -- ready | attempt | start | end
+    kind TEXT NOT NULL,          -- ready | attempt | waited | start | end | killed
     task_id TEXT,
     tenant TEXT,
     worker TEXT,
-    pid INTEGER NOT NULL,
+    pid INTEGER NOT NULL,        -- killed rows: the process killed (by demo.py --crash)
     at REAL NOT NULL,            -- time.time() of this machine, in seconds
     deferrals INTEGER            -- start rows: the caps_deferrals header the run arrived with
 )
@@ -132,15 +137,21 @@ def record(
     task_id: str | None = None,
     tenant: str | None = None,
     deferrals: int | None = None,
+    *,
+    pid: int | None = None,
+    at: float | None = None,
 ) -> None:
-    """Append one event, atomically, with this process's clock reading."""
+    """Append one event, atomically, with this process's clock reading (or ``at``) and pid (or ``pid``)."""
     connection = observations()
     connection.execute("BEGIN IMMEDIATE")
     try:
         connection.execute(
             "INSERT INTO events (kind, task_id, tenant, worker, pid, at, deferrals) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (kind, task_id, tenant, worker or socket.gethostname(), os.getpid(), time.time(), deferrals),
-        )
+            (
+                kind, task_id, tenant, worker or socket.gethostname(), pid or os.getpid(),
+                time.time() if at is None else at, deferrals,
+            ),
+        )  # fmt: skip
         connection.execute("COMMIT")
     except BaseException:
         connection.execute("ROLLBACK")

@@ -62,3 +62,31 @@ def test_the_demo_under_backoff_runs_every_task_once_within_the_caps(tmp_path: P
     assert peak and int(peak.group(1)) <= 4, output
     assert "leases of this run left in the store: 0" in output, output
     assert "went back to the queue" in output, output
+
+
+@pytest.mark.parametrize("strategy", ["park", "backoff"])
+def test_the_demo_with_a_pool_process_killed_mid_run_runs_its_task_again_within_the_caps(
+    tmp_path: Path, strategy: str
+) -> None:
+    # The same serverless fleet, and a pool process killed with SIGKILL while it runs a task (as the
+    # OOM killer would): its worker releases the run's slots and gives the message back (acks late,
+    # reject on worker lost), so the task runs again.  The kill ends that run for the peaks.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("CAPS_DEMO_")}
+    command = [
+        sys.executable, str(REPO_ROOT / "examples" / "demo" / "demo.py"), "--plain", "--tasks", str(TASKS),
+        "--workers", "2", "--concurrency", "3", "--strategy", strategy, "--crash", "--data-dir", str(tmp_path / "data"),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=240)
+    output = done.stdout + done.stderr
+    # Then one run was killed mid-run, its task started twice and completed once
+    killed = re.findall(
+        r"pool process \d+ killed mid-run \(--crash\): its task \S+ started (\d+) times and completed (\d+)", output
+    )
+    assert killed == [("2", "1")], output
+    # and the demo's own checks hold: every task completed once, no other task started twice, the
+    # peak within the global cap of 4, no lease left (the killed run's slots were given back)
+    assert done.returncode == 0, output
+    assert f"tasks completed exactly once: {TASKS}/{TASKS}" in output, output
+    peak = re.search(r"overall peak running: (\d+) \(global cap 4\)", output)
+    assert peak and int(peak.group(1)) <= 4, output
+    assert "leases of this run left in the store: 0" in output, output
