@@ -219,6 +219,11 @@ def waiting_so_far(task: CappedTask, runtime: CapsRuntime, request: Any, full_sl
     return deferrals, first
 
 
+#: A put-back's reason when the task waits in the list while its message waits in the broker
+#: (``park.Verdict.OUTSIDE``).
+PAYLOAD_TOO_LARGE = "payload_too_large"
+
+
 def put_back(
     task: CappedTask,
     runtime: CapsRuntime,
@@ -260,7 +265,15 @@ def put_back(
     task.store_deferred_state(runtime, request, waiting)
     # Once per wait at INFO (its first put-back; Celery's own line for this copy says only
     # "ignored"), then at DEBUG.
-    waits_for = "the slot store to answer" if reason == "store_error" else f"a free slot of {', '.join(full_slots)}"
+    if reason == "store_error":
+        waits_for = "the slot store to answer"
+    elif reason == PAYLOAD_TOO_LARGE:
+        waits_for = (
+            f"its turn in the waiting list of {', '.join(full_slots)} without its message, which is over "
+            f"caps_park_max_payload_bytes ({settings.parking.max_payload_bytes}): the message waits in the broker"
+        )
+    else:
+        waits_for = f"a free slot of {', '.join(full_slots)}"
     logger.log(
         logging.INFO if deferrals == 0 else logging.DEBUG,
         "%s[%s] waits for %s: put back for %.2f s (deferral %d)",

@@ -93,7 +93,7 @@ class Verdict(enum.Enum):
     #: Its message is over ``caps_park_max_payload_bytes``: it waits in the list without it (an
     #: entry *outside*), and this copy goes back to the broker with a short countdown, to claim
     #: the entry's dispatch when its turn has come.
-    OUTSIDE = "payload_too_large"
+    OUTSIDE = messages.PAYLOAD_TOO_LARGE
     #: Its slots are full and it has waited ``caps_max_wait_seconds``: it gives up.
     GAVE_UP = "gave_up"
     #: Its task id waits in the list as another task (a reused id): it fails, visibly.
@@ -325,12 +325,6 @@ def admit(
     if decision.verdict is Verdict.GAVE_UP:
         raise CapWaitExceeded(task.name, request.id, time.time() - first_deferred_at, list(slots))
     if decision.verdict is Verdict.OUTSIDE:
-        if deferrals == 0:
-            logger.info(
-                "%s[%s] waits for %s without its message, which is over caps_park_max_payload_bytes (%d): "
-                "the message waits in the broker until the task's turn", task.name, request.id,
-                ", ".join(slots), parking.max_payload_bytes,
-            )  # fmt: skip
         # Back before its entry's dispatch would pass its deadline.
         countdown = dispatch_lease_seconds(runtime) / 3
         messages.put_back(

@@ -425,6 +425,8 @@ def test_a_task_too_large_for_the_store_runs_in_its_turn_under_steady_load(
     assert {t: record.starts[t] for t in [holder, big, *small] if record.starts[t] != 1} == {}
     assert [state_of(fleet, task_id)["status"] for task_id in [big, *small]] == ["SUCCESS"] * 9
     assert record.interval_peak(f"one:{scope}") == 1
-    # ... its message waited in the broker (the store kept no payload of it), and a worker said so
-    assert lines_with(fleet, big, "without its message")
+    # ... its message waited in the broker (the store kept no payload of it), and a worker said
+    # so in one INFO line, once for the wait (later put-backs log at DEBUG)
+    said = lines_with(fleet, big, "INFO", " waits for ")
+    assert len(said) == 1 and "without its message" in said[0], said
     nothing_left(fleet)
