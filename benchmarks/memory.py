@@ -356,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants: {unknown}")
     report = Report({"part": PART, "seconds": args.seconds, "variants": variants, "probe": args.probe})
+    from .run import library_version
+
+    report.machine.update(library_version())
     with tempfile.TemporaryDirectory(prefix="caps-memory-") as tmp:
         options = Options(quick=False, rounds=1, stores=["postgresql"], run_prefix=new_run_id(), tmp_dir=Path(tmp))
         measure(
