@@ -7,7 +7,8 @@ first and then tells the workers to consume it (``add_consumer``), so every
 trial starts from a full backlog.
 
 Tasks come in pairs that differ only in the cap (``noop`` / ``noop_capped``,
-``sleep`` / ``sleep_capped``): same app, same worker, same settings.  The
+``sleep`` / ``sleep_capped``, and ``load`` / ``load_capped``, whose cap binds and whose body
+counts its runs in the side channel): same app, same worker, same settings.  The
 utilisation tasks write one record per completed run to Redis (the side
 channel): publish time (a message header that put-back copies keep), start and
 end (``time.time()``, one machine), deferrals.  The record is pushed once the run has
@@ -42,6 +43,7 @@ ENV: dict[str, str] = {
     "CAPS_BENCH_TENANT_LIMIT": "1",
     "CAPS_BENCH_PREFETCH": "4",
     "CAPS_BENCH_EXTRA_CONF": "",  # "name=value;name=value" (numbers or strings), e.g. a strategy's settings
+    "CAPS_BENCH_MEMORY_PROBE": "",  # a directory: pool processes report their memory there on SIGUSR2
 }
 
 #: The message header that carries the publish time (seconds since the epoch).
@@ -56,7 +58,12 @@ def setting(env: Mapping[str, str], name: str) -> str:
 
 def side_keys(prefix: str) -> dict[str, str]:
     """Redis keys of the side channel."""
-    return {"runs": f"{prefix}side:runs", "publishes": f"{prefix}side:publishes", "library": f"{prefix}side:library"}
+    return {
+        "runs": f"{prefix}side:runs",
+        "publishes": f"{prefix}side:publishes",
+        "library": f"{prefix}side:library",
+        "done": f"{prefix}side:done",
+    }
 
 
 def _parse_extra(text: str) -> dict[str, Any]:
@@ -150,6 +157,19 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
     def sleep_capped(ms: float) -> None:
         time.sleep(ms / 1000)
 
+    def load_body(ms: float, data: str) -> None:
+        time.sleep(ms / 1000)
+        side.client.incr(keys["done"])
+
+    # The memory part's pair: one body, with and without a binding cap (``data``: the payload).
+    @app.task(name="bench.load", base=Task, shared=False)
+    def load(ms: float, data: str) -> None:
+        load_body(ms, data)
+
+    @app.task(name="bench.load_capped", base=CappedTask, cap=global_cap, shared=False)
+    def load_capped(ms: float, data: str) -> None:
+        load_body(ms, data)
+
     # Records of runs whose body ended, pushed by task_postrun (after the slot's release).
     pending: dict[str, str] = {}
 
@@ -185,6 +205,15 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
             line = pending.pop(task_id or "", None)
             if line is not None:
                 side.client.rpush(keys["runs"], line)
+
+        probe_directory = setting(env, "CAPS_BENCH_MEMORY_PROBE")
+        if probe_directory:
+
+            @signals.worker_process_init.connect(weak=False)
+            def install_probe(**_: Any) -> None:
+                from .memory_probe import install
+
+                install(probe_directory)
 
         @signals.before_task_publish.connect(weak=False)
         def count_publish(sender: Any = None, routing_key: Any = None, **_: Any) -> None:

@@ -75,11 +75,16 @@ def reachable(url: str, timeout: float = 1.0) -> str | None:
 def drop_bench_databases(server_url: str) -> None:
     """Drop this run's benchmark databases on ``server_url``'s server (a run starts and ends
     with none: nothing of an earlier run, or of another version's schema, is measured)."""
+    drop_databases(server_url, BENCH_DATABASES.values())
+
+
+def drop_databases(server_url: str, names: Iterable[str]) -> None:
+    """Drop the databases ``names`` (if they exist) on ``server_url``'s server."""
     url = sa.engine.make_url(server_url)
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     try:
         with engine.connect() as connection:
-            for name in BENCH_DATABASES.values():
+            for name in names:
                 if url.get_backend_name() == "postgresql":
                     connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
                 else:

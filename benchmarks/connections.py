@@ -28,7 +28,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from .common import Figure, Options, Report, median, ms, reachable, service_url
-from .workers import BenchFleet, wait_for
+from .workers import BenchFleet, child_pids, wait_for
 
 PART = "connections"
 WORKERS = 3
@@ -212,16 +212,6 @@ class Sampler:
         return samples
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            found.extend(int(child) for child in (task / "children").read_text().split())
-        except OSError:
-            continue
-    return found
-
-
 def _local_ports() -> dict[int, int]:
     """Socket inode -> local TCP port, of every TCP socket of the machine."""
     ports: dict[int, int] = {}
@@ -242,7 +232,7 @@ def socket_owners(fleet: BenchFleet) -> dict[int, tuple[int, str]]:
     owners: dict[int, tuple[int, str]] = {}
     for index, worker in enumerate(fleet.workers):
         main = worker.process.pid
-        processes = [(main, "main")] + [(child, f"pool {child}") for child in _children(main)]
+        processes = [(main, "main")] + [(child, f"pool {child}") for child in child_pids(main)]
         for pid, kind in processes:
             for fd in Path(f"/proc/{pid}/fd").glob("*"):
                 try:

@@ -8,6 +8,7 @@ Parts (``--only`` takes a comma-separated list, all by default):
 * ``scaling``: admission cost against contenders, slot names and held leases; renewal;
 * ``growth``: step costs against the waiting list's length, the number of keys and of clients.
 * ``connections``: the PostgreSQL server connections a 3 x 4 prefork fleet holds.
+* ``memory``: the memory of a saturated fleet's processes, capped against uncapped.
 
 Prints one table and writes the figures, the machine and the arguments as JSON
 (``benchmarks/results/latest.json`` by default).  See ``benchmarks/README.md``.
@@ -53,6 +54,7 @@ PARTS = {
     "scaling": "scaling",
     "growth": "growth",
     "connections": "connections",
+    "memory": "memory",
 }
 #: The parts that use the shared benchmark databases (dropped at a run's start and end).
 _SHARED_DATABASE_PARTS = {"store", "overhead", "utilisation", "scaling"}

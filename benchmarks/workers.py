@@ -38,9 +38,24 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def pool_pids(self) -> list[int]:
+        """The worker's child processes now (its pool processes, for prefork)."""
+        return child_pids(self.process.pid)
+
     def tail(self, lines: int = 40) -> str:
         text = self.log_path.read_text(errors="replace").splitlines()[-lines:] if self.log_path.exists() else []
         return f"----- {self.name} (exit {self.process.poll()}) -----\n" + "\n".join(text)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The child processes of ``pid``, from ``/proc`` (any thread's children)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found.extend(int(child) for child in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return found
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

@@ -19,7 +19,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
-from celery import bootsteps, signals
+from celery import bootsteps, signals, states
 from celery.worker.request import Request
 
 from . import handover
@@ -481,6 +481,31 @@ def _release_on_process_shutdown(**_: Any) -> None:
         from .metrics import mark_process_dead
 
         mark_process_dead(os.getpid())
+
+
+#: The states of a copy that ended without running its body by raising ``Ignore`` or ``Reject``
+#: (a put-back, a park, a copy the store answers for).
+_ENDED_UNRUN_STATES = frozenset({states.IGNORED, states.REJECTED})
+
+
+@signals.task_postrun.connect  # type: ignore[untyped-decorator]
+def _free_ended_copy(
+    sender: Any = None, state: str | None = None, retval: Any = None, task: Any = None, **_: Any
+) -> None:
+    # Pool process.  Celery's tracer keeps the exception that ended a copy (its result) in a
+    # local of its own frame, and the exception's traceback points back at that frame: a
+    # reference cycle holding the picklable copy of the traceback Celery builds for each
+    # Ignore (on Python 3.11+ a copy of every instruction position of every frame's code,
+    # hundreds of kilobytes per copy ended).  Only the cyclic garbage collector frees it, and
+    # under saturation (a copy ended per task) its oldest generation fills with hundreds of
+    # megabytes before it runs.  Dropping the traceback once Celery has used it lets the
+    # tracer's frame go when it returns.  Eager calls keep theirs: their caller gets the exception.
+    task = task or sender
+    if state not in _ENDED_UNRUN_STATES or not isinstance(retval, BaseException) or not _is_capped(task):
+        return
+    if getattr(task.request, "is_eager", False):
+        return
+    retval.__traceback__ = None
 
 
 @signals.task_revoked.connect  # type: ignore[untyped-decorator]
