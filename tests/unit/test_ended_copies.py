@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +35,9 @@ COPIES = 40
 def app() -> Iterator[Celery]:
     app = Celery("ended-copies", broker="memory://", set_as_current=False)
     app.conf.update(
+        # kombu's memory transport is one broker per process: a queue of this test's own, so that
+        # no message left by another test (a woken copy) reaches this test's worker.
+        task_default_queue=f"ended-copies-{uuid.uuid4().hex[:8]}",
         caps_url=MemoryStore(),
         caps_sweep_interval_seconds=None,
         task_ignore_result=True,
