@@ -137,20 +137,23 @@ def fail_unpublishable(runtime: CapsContext, waiter: Woken, signature: Any, exc:
     Its result becomes ``FAILURE`` (:class:`UnpublishableTask`, with the reason; the task's
     errbacks are called when its message could be read), a ``task-failed`` event is sent when
     this worker sends events, an ERROR line is logged, and the entry leaves the waiting list
-    (``forget``), which hands its slots to the next waiters.  If the store cannot be reached for
-    that, the entry stays dispatched and the next hand-over tries again.
+    (``forget``), which hands its slots to the next waiters.  The failure is stored first: a
+    ``forget`` whose reply is lost may have taken the entry off the list, and the task must not
+    vanish without a result.  If the store cannot be reached, the entry may stay dispatched: its
+    dispatch expires, and the next hand-over fails it again (the same result, and its errbacks
+    called again: the store's fault).
     """
     app = runtime.app
     task_name = waiter.task_name or (signature.task if signature is not None else None) or "?"
     reason = f"{type(exc).__name__}: {exc}"
     failure = UnpublishableTask(task_name, waiter.task_id, reason)
     logger.error("%s", failure)
+    _store_failure(app, waiter.task_id, task_name, signature, failure)
     try:
         forget(runtime, waiter.task_id)
     except Exception as forget_exc:  # a StoreError: the dispatch expires and it is tried again
         logger.warning("%s[%s]: not taken off the waiting list (%s)", task_name, waiter.task_id, forget_exc)
         return
-    _store_failure(app, waiter.task_id, task_name, signature, failure)
     if getattr(runtime, "send_events", False):
         try:
             with app.events.default_dispatcher() as dispatcher:

@@ -290,12 +290,13 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 self.publish(parked["task"], parked["retries"], headers)
 
         def fail_unpublishable(self, task: str, waiter: Woken) -> None:
+            # Its FAILURE is stored first: a forget whose reply is lost may have taken it off the list.
+            self.failed.add(task)
             try:
                 _, woken = self.store.forget(waiter.task_id, dispatch_lease)
             except StoreError:
-                self.note(f"{task} unpublishable: not forgotten (store away): its dispatch expires")
+                self.note(f"{task} unpublishable: failed, not known to be forgotten (store away)")
                 return
-            self.failed.add(task)
             self.note(f"{task} unpublishable: failed and forgotten, woke {self.named(woken)}")
             self.check_woken(woken, f"forgetting unpublishable {task}")
             self.publish_woken(woken)
@@ -844,6 +845,36 @@ def test_a_copy_returned_by_a_warm_shutdown_after_another_dispatch_ran_never_run
         # Then: it ends against the tombstone of D2: t5 ran once (the model fails otherwise)
         _run_through(machine, "w2", "t5")
         assert machine.starts[("t5", 0)] == 1, machine.history()
+    finally:
+        machine.clean_up()
+
+
+def test_an_unpublishable_task_whose_forget_reply_is_lost_still_fails_visibly(
+    protocol_target: StoreTarget | None,
+) -> None:
+    # Found by the model (hypothesis, on the memory store): the failure was stored only after a
+    # forget that answered, so a forget that took the entry off the list and lost its reply
+    # left the task with neither an entry nor a result.
+    machine = make_machine(protocol_target, protocol_target is None)()
+    try:
+        # Given: t1 runs on w1, t5 waits for their shared slot, and a deploy breaks t5's message
+        machine.send({"t1", "t5"})
+        _deliver(machine, "t1", "w1", dispatched=False)
+        _deliver(machine, "t5", "w2", dispatched=False)
+        _start(machine, "w1", "t1")
+        _run_through(machine, "w2", "t5")  # parks
+        machine.poisoned.add("t5")
+        # When: t1's release hands the slot to t5 and, its copy unpublishable, t5 is failed with
+        # the store lossy: the forget takes t5 off the list, and its reply is lost
+        state = machine.workers["w1"]
+        machine._end_body(state, retry=False)
+        machine._release(state)
+        machine.store.mode = "lossy"
+        machine._publish_after_release(state)
+        machine.store.mode = "up"
+        # Then: t5 is off the list and failed (its FAILURE stored), not gone without a trace
+        assert not [w for w in machine.real_store.waiters() if w.task_id == "t5"], machine.history()
+        assert "t5" in machine.failed, machine.history()
     finally:
         machine.clean_up()
 
