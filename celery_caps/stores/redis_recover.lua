@@ -161,12 +161,28 @@ else
     local waiters_key = lists.key(slot)
     if redis.call('EXISTS', waiters_key) == 1 then
       add(slot)
-      for _, member in ipairs(redis.call('ZRANGE', waiters_key, 0, -1)) do
-        local task_id = waiter_task_id(member)
-        local record = own(task_id, member) and read_waiter(keys.waiting, task_id)
-        if record and is_waiting(record) then
-          for j = RECORD_SLOTS, #record do
-            add(record[j])
+      -- The walk of a full slot's list stops at its first waiting entry that does not fit
+      -- (dispatch_waiters): the entries up to it are all that can matter, however long the list.
+      -- (An entry whose task holds the slot already fits it.)
+      local tasks_key = slot_key(prefix, slot, 'tasks')
+      local limit = redis.call('HGET', keys.limits, slot)
+      local full = not limit or not slot_has_room(prefix, slot, tonumber(limit), '', now, nil)
+      local rank, done = 0, false
+      while not done do
+        local members = redis.call('ZRANGE', waiters_key, rank, rank + WALK_CHUNK - 1)
+        rank = rank + WALK_CHUNK
+        done = #members < WALK_CHUNK
+        for _, member in ipairs(members) do
+          local task_id = waiter_task_id(member)
+          local record = own(task_id, member) and read_waiter(keys.waiting, task_id)
+          if record and is_waiting(record) then
+            for j = RECORD_SLOTS, #record do
+              add(record[j])
+            end
+            if full and not holds_live_lease(tasks_key, task_id, now) then
+              done = true
+              break
+            end
           end
         end
       end
