@@ -572,6 +572,7 @@ class SlotStore(abc.ABC):
         that many keys), so that the count costs at most that much per cap however many keys
         there are.  This default reads :meth:`status`; the stores here count without reading
         any lease, without holding up admissions, and stop at ``at_most``."""
+        _check_at_most(at_most)  # (the base class's own methods are not guarded)
         counts: dict[str, int] = {}
         for status in self.status():
             name, separator, _key = status.slot.partition(":")
