@@ -96,17 +96,15 @@ TEMPLATES: dict[str, str] = {
         "SELECT COUNT(*) FROM (SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot >= :low "
         "AND slot < :high AND {slot_starts_with} ORDER BY slot LIMIT :most) AS k"
     ),
-    # Every slot with its live holders and expired leases: the leases read once, grouped by slot
-    # (by the store's clock read once, :now), never a count per slot, which a planner may make
-    # from the expiry's index, walking every expired (or, on MariaDB, released and not yet
-    # purged) lease once per slot.
+    # Every slot with its live holders and expired leases: the table read once, grouped by slot
+    # (by the store's clock read once, :now), the sentinel giving the limit (NULL on leases).
+    # Never a count per slot, which a planner may make from the expiry's index, walking every
+    # expired (or, on MariaDB, released and not yet purged) lease once per slot; nor a join of
+    # two reads, which MariaDB may make a nested loop over both.
     "status": (
-        "SELECT s.slot, s.slot_limit, COALESCE(l.holders, 0), COALESCE(l.expired, 0) "
-        "FROM concurrency_slots s LEFT JOIN ("
-        "SELECT slot, COUNT(DISTINCT CASE WHEN expires_at > :now THEN task_id END) AS holders, "
-        "SUM(CASE WHEN expires_at <= :now THEN 1 ELSE 0 END) AS expired "
-        "FROM concurrency_slots WHERE run_id <> '' GROUP BY slot) l ON l.slot = s.slot "
-        "WHERE s.run_id = '' ORDER BY s.slot"
+        "SELECT slot, MAX(slot_limit), COUNT(DISTINCT CASE WHEN expires_at > :now THEN task_id END), "
+        "SUM(CASE WHEN expires_at <= :now THEN 1 ELSE 0 END) FROM concurrency_slots GROUP BY slot "
+        "HAVING MAX(CASE WHEN run_id = '' THEN 1 ELSE 0 END) = 1 ORDER BY slot"
     ),
     "leases_all": (
         "SELECT slot, task_id, run_id, holder, expires_at - {now}, task_name, {now} - acquired_at "
