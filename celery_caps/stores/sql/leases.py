@@ -342,8 +342,10 @@ class SQLLeaseStore(SlotStore):
 
     def keys_per_cap(self, at_most: int | None = None) -> dict[str, int]:
         # A skip scan of the sentinels: per cap, its first name, then its keys up to ``at_most``;
-        # never a read of every sentinel.  (Each read is a statement of its own in autocommit
-        # where the dialect allows it: a count a little off is fine for a warning.)
+        # never a read of every sentinel.  (The reads may see different moments: a count a little
+        # off is fine for a warning.  The ranges are by the name column's order: characters on
+        # MySQL/MariaDB and SQLite, the database's collation on PostgreSQL, where one that does
+        # not order ':' just before ';' (C and C.UTF-8 do) may leave keys out of a count.)
         statements, exact = self.statements, self.dialect.exact
         most = at_most if at_most is not None else 2**31 - 1
 
