@@ -2,13 +2,18 @@
 
 For each store (SQLite, PostgreSQL, MariaDB, Redis), one client, medians:
 
-* a waiting list of 100, 10,000 and 100,000 waiters on one slot (limit 1): the hand-over
+* a waiting list of 100, 10,000 and 100,000 waiters on one slot (limit 1): a worker's recovery
+  pass with nothing to dispatch (the slot full; :func:`celery_caps.handover.recover` calls
+  ``recover`` with the app's caps and task names), the same pass over every cap, and what
+  another client waits while the worker's pass runs over and over; the hand-over
   (``release_and_wake`` of the holder: the oldest waiter is dispatched, then claims the slot and
   holds it for the next hand-over) and a park at the end of the list;
 * 10, 10,000 and 100,000 keyed slot names, each with a live lease: the sweep with nothing
   expired, the beat's whole work (:func:`celery_caps.sweep.sweep_store`), and what another client
   waits meanwhile: the longest acquire+release of a client on its own slot while the beat's work
-  runs over and over, next to the same client's longest with no beat (same duration);
+  runs over and over, next to the same client's longest with no beat (same duration); at the
+  largest, ``status()`` (``celery caps status``) idle and while clients acquire and release on
+  keys of their own;
 * 1, 2, 4 and 8 clients on distinct keys at 100,000 slot names: acquire+release pairs per second.
 
 Ratios are against the smallest size measured in the same run.  The lists and key sets are
@@ -44,9 +49,16 @@ CLIENTS = (1, 2, 4, 8)
 WARM_UP_CYCLES = 5
 #: The beat's threshold of keys per cap (the setting's default).
 KEY_WARNING_THRESHOLD = 1000
-#: Pause between two runs of the beat's work while another client is watched (a real beat runs
-#: it once a minute; this is many runs under one measurement).
+#: Pause between two runs of the beat's work (or of a recovery pass) while another client is
+#: watched (a real beat runs it once a minute, a worker's recovery every 2 s; this is many runs
+#: under one measurement).
 BEAT_PAUSE_SECONDS = 0.05
+#: The task names a worker's recovery passes with its caps (the app's tasks: the waiters' among
+#: them, as a worker that parked them knows them).
+WORKER_TASK_NAMES = ("bench.other", "bench.waiter", "celery_caps.sweep")
+#: Clients acquiring and releasing on keys of their own while ``status()`` is timed under load
+#: (one: on a 2-core machine more would measure the CPU they take, not the store).
+STATUS_LOAD_CLIENTS = 1
 #: What the issue measured before (0dbc7ea), milliseconds, for the "versus" column.
 BEFORE = {
     "hand-over": {"postgresql": "0.33 → 0.37 → 0.39", "redis": "0.24 flat", "mariadb": "3.0 → 11 → 87",
@@ -57,6 +69,11 @@ BEFORE = {
     "status": {"postgresql": "629", "redis": "951 (server blocked ~0.46 s)", "mariadb": "451",
                "sqlite": "267 (write lock held 0.33 s)"},
 }  # fmt: skip
+#: What issue 37 measured before its item 3 (e261afd), milliseconds.
+BEFORE_37 = {
+    "recovery, every cap": {"postgresql": "0.75 → 14.9", "mariadb": "0.62 → 21.3"},
+    "beat": {"postgresql": "28", "mariadb": "97", "sqlite": "43", "redis": "438"},
+}
 
 
 def run(report: Report, options: Options) -> None:
@@ -129,9 +146,14 @@ def fill_waitlist(store: SlotStore, slot: str, count: int, first_from: float) ->
 
 def measure_waitlist(report: Report, options: Options, target: StoreTarget, sizes: tuple[int, ...]) -> None:
     samples = 40 if options.quick else 150
+    passes = 15 if options.quick else 40
+    watch_seconds = 1.5 if options.quick else 4.0
     hand_over: dict[int, list[float]] = {}
     parks: dict[int, list[float]] = {}
     claims: dict[int, list[float]] = {}
+    recovery: dict[int, list[float]] = {}
+    recovery_all: dict[int, list[float]] = {}
+    waits: dict[int, tuple[list[float], list[float], int]] = {}
     store = target.open("waiters")
     assert isinstance(store, ParkingStore)
     try:
@@ -142,6 +164,29 @@ def measure_waitlist(report: Report, options: Options, target: StoreTarget, size
             options.log(f"[growth] {target.name}: filling a list of {size:,}")
             fill_waitlist(store, slot, size, 1000.0)
             target.vacuum_store("waiters")
+
+            # A worker's recovery pass with nothing to do (the slot is full), as handover.recover
+            # makes it: the app's caps and task names, no maximum wait (the default).
+            def worker_pass(store: ParkingStore = store, slot: str = slot) -> None:
+                if store.recover(60.0, caps=[slot], task_names=WORKER_TASK_NAMES, readmit_before=None):
+                    raise RuntimeError("a recovery pass with nothing to do dispatched a waiter")
+
+            def every_cap(store: ParkingStore = store) -> None:
+                if store.recover(60.0, readmit_before=None):
+                    raise RuntimeError("a recovery pass with nothing to do dispatched a waiter")
+
+            worker_pass()  # (a new session's first statements are not counted)
+            recovery[size] = [ms(_timed(worker_pass)[0]) for _ in range(passes)]
+            recovery_all[size] = [ms(_timed(every_cap)[0]) for _ in range(passes)]
+            other = f"{target.run_prefix}-other-wl{size}"
+            quiet, _ = _another_client(target, "waiters", other, watch_seconds, None)
+            busy, runs = _another_client(target, "waiters", other, watch_seconds, worker_pass)
+            waits[size] = (busy, quiet, runs)
+            options.log(
+                f"[growth] {target.name}: {size:,} waiters: recovery pass {median(recovery[size]):.3f} ms "
+                f"(every cap {median(recovery_all[size]):.3f} ms), another client's longest pair {max(busy):.1f} ms "
+                f"with it ({runs} passes), {max(quiet):.1f} ms without"
+            )
             hand_over[size], parks[size], claims[size] = [], [], []
             for i in range(-WARM_UP_CYCLES, samples):
                 # (The first cycles are not counted: a new session compiles PostgreSQL's functions.)
@@ -166,7 +211,30 @@ def measure_waitlist(report: Report, options: Options, target: StoreTarget, size
             )
     finally:
         store.close()
-    smallest = sizes[0]
+    smallest, largest = sizes[0], sizes[-1]
+    for what, values in (("recovery pass, a worker's", recovery), ("recovery pass, every cap", recovery_all)):
+        for size in sizes:
+            growth = ratio(median(values[size]), median(values[smallest]))
+            last = size == largest and size != smallest
+            before = BEFORE_37.get(what.replace("recovery pass, ", "recovery, "), {}).get(target.name)
+            report.add(
+                Figure(
+                    PART,
+                    f"{target.name}: {what} with nothing to dispatch p50, {size:,} waiters on a full slot",
+                    median(values[size]),
+                    "ms",
+                    versus=f"{smallest:,} waiters {median(values[smallest]):.3f} ms"
+                    + (f"; before: {before} ms" if before and last else ""),
+                    ratio=growth,
+                    target="ratio <= 1.3" if last else "",
+                    met=at_most(growth, 1.3) if last else None,
+                    repeats=values[size],
+                )
+            )
+    for size in sizes:
+        busy, quiet, runs = waits[size]
+        report.add(_wait_figure(target, f"a worker's recovery passes run, {size:,} waiters", busy, quiet, runs,
+                                "recovery passes", size == largest))  # fmt: skip
     for what, values in (("hand-over", hand_over), ("park", parks), ("claim", claims)):
         for size in sizes:
             growth = ratio(median(values[size]), median(values[smallest]))
@@ -190,9 +258,9 @@ def measure_waitlist(report: Report, options: Options, target: StoreTarget, size
 # -- the key set ----------------------------------------------------------------------------------
 
 
-def _other_client(target: StoreTarget, slot: str, seconds: float, results: Any) -> None:
+def _other_client(target: StoreTarget, variant: str, slot: str, seconds: float, results: Any) -> None:
     """Acquire and release one slot over and over for ``seconds``: each pair's milliseconds."""
-    store = target.open("keys")
+    store = target.open(variant)
     try:
         pairs: list[float] = []
         deadline = time.monotonic() + seconds
@@ -208,25 +276,81 @@ def _other_client(target: StoreTarget, slot: str, seconds: float, results: Any) 
 
 
 def _another_client(
-    target: StoreTarget, store: SlotStore, slot: str, seconds: float, beat: bool
+    target: StoreTarget, variant: str, slot: str, seconds: float, work: Callable[[], Any] | None
 ) -> tuple[list[float], int]:
-    """The other client's acquire+release pairs (ms) while the beat's work runs every
-    :data:`BEAT_PAUSE_SECONDS` (or not), and the beat's runs."""
+    """The other client's acquire+release pairs (ms) while ``work`` (the beat's, a recovery pass)
+    runs every :data:`BEAT_PAUSE_SECONDS` (or nothing does), and the runs of ``work``."""
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    process = context.Process(target=_other_client, args=(target, slot, seconds, results))
+    process = context.Process(target=_other_client, args=(target, variant, slot, seconds, results))
     process.start()
     runs = 0
     deadline = time.monotonic() + seconds
     time.sleep(0.2)  # the client connected and warm
     while time.monotonic() < deadline - 0.1:
-        if beat:
-            sweep_store(store, KEY_WARNING_THRESHOLD)
+        if work is not None:
+            work()
             runs += 1
         time.sleep(BEAT_PAUSE_SECONDS)
     pairs: list[float] = results.get(timeout=120)
     process.join(timeout=10)
     return pairs, runs
+
+
+def _churn(target: StoreTarget, slot: str, stop: Any) -> None:
+    """Acquire and release keys of ``slot`` (a cap name) over and over until ``stop`` is set."""
+    store = target.open("keys")
+    try:
+        i = 0
+        while not stop.is_set():
+            run_id = uuid.uuid4().hex
+            store.acquire({f"{slot}:k{i % 100}": 4}, run_id, run_id, "bench", 60.0)
+            store.release(run_id)
+            i += 1
+    finally:
+        store.close()
+
+
+def _status_under_load(target: StoreTarget, store: SlotStore, rounds: int) -> list[float]:
+    """``status()`` (ms) while :data:`STATUS_LOAD_CLIENTS` clients acquire and release."""
+    context = multiprocessing.get_context("fork")
+    stop = context.Event()
+    clients = [
+        context.Process(target=_churn, args=(target, f"{target.run_prefix}-load{i}", stop))
+        for i in range(STATUS_LOAD_CLIENTS)
+    ]
+    for client in clients:
+        client.start()
+    try:
+        time.sleep(0.5)  # the clients connected and churning
+        return [ms(_timed(store.status)[0]) for _ in range(rounds)]
+    finally:
+        stop.set()
+        for client in clients:
+            client.join(timeout=30)
+
+
+def _wait_figure(
+    target: StoreTarget, what: str, busy: list[float], quiet: list[float], runs: int, runs_name: str, last: bool
+) -> Figure:
+    return Figure(
+        PART,
+        f"{target.name}: another client's longest acquire+release while {what}",
+        max(busy),
+        "ms",
+        versus=f"without it {max(quiet):.1f} ms; p99 {percentile(busy, 0.99):.2f} ms with, "
+        f"{percentile(quiet, 0.99):.2f} ms without ({runs} {runs_name} meanwhile)",
+        ratio=ratio(max(busy), max(quiet)),
+        target="<= 10 ms" if last else "",
+        met=at_most(max(busy), 10.0) if last else None,
+        detail={
+            "p99_ms": percentile(busy, 0.99),
+            "quiet_p99_ms": percentile(quiet, 0.99),
+            "pairs": len(busy),
+            "quiet_pairs": len(quiet),
+            "runs": runs,
+        },
+    )
 
 
 def measure_keys(report: Report, options: Options, target: StoreTarget, sizes: tuple[int, ...]) -> None:
@@ -235,8 +359,10 @@ def measure_keys(report: Report, options: Options, target: StoreTarget, sizes: t
     watch_seconds = 1.5 if options.quick else 4.0
     sweep: dict[int, list[float]] = {}
     beat: dict[int, list[float]] = {}
-    waits: dict[int, tuple[float, float, int]] = {}
+    waits: dict[int, tuple[list[float], list[float], int]] = {}
     rates: dict[int, float] = {}
+    status_idle: list[float] = []
+    status_busy: list[float] = []
     store = target.open("keys")
     present = 0
     other = f"{target.run_prefix}-other"
@@ -250,9 +376,17 @@ def measure_keys(report: Report, options: Options, target: StoreTarget, sizes: t
             store.sweep()  # (a new session's first statements are not counted)
             sweep[size] = [ms(_timed(store.sweep)[0]) for _ in range(sweeps)]
             beat[size] = [ms(_timed(sweep_store, store, KEY_WARNING_THRESHOLD)[0]) for _ in range(beats)]
-            quiet, _ = _another_client(target, store, other, watch_seconds, beat=False)
-            busy, runs = _another_client(target, store, other, watch_seconds, beat=True)
+            quiet, _ = _another_client(target, "keys", other, watch_seconds, None)
+            busy, runs = _another_client(
+                target, "keys", other, watch_seconds, lambda: sweep_store(store, KEY_WARNING_THRESHOLD)
+            )
             waits[size] = (busy, quiet, runs)
+            if size == sizes[-1]:
+                # celery caps status, idle and while other clients work, interleaved.
+                store.status()
+                for _ in range(2 if options.quick else 3):
+                    status_idle.append(ms(_timed(store.status)[0]))
+                    status_busy.extend(_status_under_load(target, store, 1))
             options.log(
                 f"[growth] {target.name}: {size:,} keys: sweep {median(sweep[size]):.3f} ms, beat's work "
                 f"{median(beat[size]):.1f} ms, another client's longest pair {max(busy):.1f} ms "
@@ -291,6 +425,7 @@ def measure_keys(report: Report, options: Options, target: StoreTarget, sizes: t
                 repeats=sweep[size],
             )
         )
+        beat_growth = ratio(median(beat[size]), median(beat[smallest]))
         report.add(
             Figure(
                 PART,
@@ -298,32 +433,32 @@ def measure_keys(report: Report, options: Options, target: StoreTarget, sizes: t
                 median(beat[size]),
                 "ms",
                 versus=f"{smallest:,} keys {median(beat[smallest]):.3f} ms"
-                + (f"; before, status() alone: {BEFORE['status'][target.name]} ms" if last else ""),
-                ratio=ratio(median(beat[size]), median(beat[smallest])),
+                + (f"; before: {BEFORE_37['beat'][target.name]} ms" if last else ""),
+                ratio=beat_growth,
+                target="ratio <= 1.3" if last else "",
+                met=at_most(beat_growth, 1.3) if last else None,
                 repeats=beat[size],
             )
         )
         busy, quiet, runs = waits[size]
-        report.add(
-            Figure(
-                PART,
-                f"{target.name}: another client's longest acquire+release while the beat works, {size:,} keys",
-                max(busy),
-                "ms",
-                versus=f"without the beat {max(quiet):.1f} ms; p99 {percentile(busy, 0.99):.2f} ms with, "
-                f"{percentile(quiet, 0.99):.2f} ms without ({runs} beat runs meanwhile)",
-                ratio=ratio(max(busy), max(quiet)),
-                target="<= 10 ms" if size == largest else "",
-                met=at_most(max(busy), 10.0) if size == largest else None,
-                detail={
-                    "p99_ms": percentile(busy, 0.99),
-                    "quiet_p99_ms": percentile(quiet, 0.99),
-                    "pairs": len(busy),
-                    "quiet_pairs": len(quiet),
-                    "beat_runs": runs,
-                },
-            )
+        report.add(_wait_figure(target, f"the beat works, {size:,} keys", busy, quiet, runs, "beat runs",
+                                size == largest))  # fmt: skip
+    status_growth = ratio(median(status_busy), median(status_idle))
+    report.add(
+        Figure(
+            PART,
+            f"{target.name}: status() under load ({STATUS_LOAD_CLIENTS} client(s) acquiring and releasing), "
+            f"{largest:,} keys",
+            median(status_busy),
+            "ms",
+            versus=f"idle {median(status_idle):.1f} ms",
+            ratio=status_growth,
+            target="ratio <= 2",
+            met=at_most(status_growth, 2.0),
+            repeats=status_busy,
+            detail={"idle_ms": status_idle},
         )
+    )
     for clients in CLIENTS:
         report.add(
             Figure(

@@ -333,6 +333,11 @@ def _no_check(*args: Any, **kwargs: Any) -> None:
     """Methods without arguments to check (their errors are still wrapped)."""
 
 
+def _check_at_most(at_most: int | None = None) -> None:
+    if at_most is not None:
+        checks.count("at_most", at_most)
+
+
 def _check_park(request: ParkRequest) -> None:
     checks.admission(request.slots, request.task_id, request.run_id, request.holder, request.lease_seconds)
     checks.seconds("first_deferred_at", request.first_deferred_at, positive=False)
@@ -424,7 +429,7 @@ _CHECKS: dict[str, Callable[..., None]] = {
     "release_task": _check_task,
     "sweep": _no_check,
     "status": _no_check,
-    "keys_per_cap": _no_check,
+    "keys_per_cap": _check_at_most,
     "leases": _check_slot_filter,
     "prune": _check_prune,
     "record_history": _check_record_history,
@@ -561,16 +566,21 @@ class SlotStore(abc.ABC):
     def status(self) -> list[SlotStatus]:
         """Every known slot name with its limit, live holders and unswept leases."""
 
-    def keys_per_cap(self) -> dict[str, int]:
+    def keys_per_cap(self, at_most: int | None = None) -> dict[str, int]:
         """How many distinct keys each keyed cap has (slot names ``name:key``), for the sweep's
-        warning.  This default reads :meth:`status`; the stores here count without reading
-        every slot's leases, and without holding up admissions."""
+        warning; with ``at_most``, a count stops there (a cap counted ``at_most`` has at least
+        that many keys), so that the count costs at most that much per cap however many keys
+        there are.  This default reads :meth:`status`; the stores here count without reading
+        any lease, without holding up admissions, and stop at ``at_most``."""
+        _check_at_most(at_most)  # (the base class's own methods are not guarded)
         counts: dict[str, int] = {}
         for status in self.status():
             name, separator, _key = status.slot.partition(":")
             if separator:
                 counts[name] = counts.get(name, 0) + 1
-        return counts
+        if at_most is None:
+            return counts
+        return {name: min(keys, at_most) for name, keys in counts.items()}
 
     @abc.abstractmethod
     def leases(self, slot: str | None = None) -> list[Lease]:

@@ -29,6 +29,10 @@ key                            type    content
                                        sweep never deletes, so ``status`` lists every
                                        slot name ever used; every hand-over to a waiter
                                        counts room by these
+``P:keyed``                    ZSET    every keyed slot name (``cap:key``) of ``P:limits``,
+                                       score 0, so that a cap's keys are a range by name
+                                       (the sweep counts them with ``ZLEXCOUNT``); the
+                                       member ``""`` marks it complete
 ``P:runs``                     HASH    run id -> MessagePack ``[task id, holder, slot...]``;
                                        run id + NUL + ``meta`` -> ``[task name, taken at]``
 ``P:expiry``                   ZSET    run id -> expiry (every lease of a run shares
@@ -246,8 +250,9 @@ def _load_script_source(name: str, *libraries: str) -> str:
 
 class RedisStore(ParkingStore):
     """Slots in Redis, each operation one atomic Lua script (see the module docstring); the
-    reads of every slot name (``status``, ``keys_per_cap``) walk them with ``HSCAN``, a batch at
-    a time, so that none holds the server for all of them.
+    reads of every slot name (``status``) walk them with ``HSCAN``, a batch at a time, so that
+    none holds the server for all of them; ``keys_per_cap`` counts each cap's keys as a range of
+    ``P:keyed``.
 
     Args:
         target: A URL (``redis://[:password@]host:port/db``, ``rediss://...``,
@@ -337,6 +342,8 @@ class RedisStore(ParkingStore):
         self._status = self._script("redis_status.lua")
         self._leases = self._script("redis_leases.lua")
         self._prune = self._script("redis_prune.lua")
+        self._keys = self._script("redis_keys.lua")
+        self._keyed = self._script("redis_keyed.lua")
         self._record_history = self._script("redis_record_history.lua")
         self._history = self._script("redis_history.lua")
         self._park = self._script("redis_park.lua", _WAITLIST_LIBRARY)
@@ -602,14 +609,19 @@ class RedisStore(ParkingStore):
                 statuses[slot] = SlotStatus(slot, int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]))
         return [statuses[slot] for slot in sorted(statuses)]
 
-    def keys_per_cap(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for names in self._slot_names():
-            for name in names:
-                cap, separator, _key = _text(name).partition(":")
-                if separator:
-                    counts[cap] = counts.get(cap, 0) + 1
-        return counts
+    def keys_per_cap(self, at_most: int | None = None) -> dict[str, int]:
+        # From the keyed names (``P:keyed``): a range by name per cap, never every slot name
+        # (each ZLEXCOUNT is logarithmic: at_most has nothing to save).
+        reply = self._run("keys_per_cap", self._keys, [self._limits_key], [self._prefix])
+        if reply[0] in (b"0", "0"):
+            # Slots named before the keyed names existed: they join once, a batch at a time.
+            batches = list(self._slot_names()) or [[]]
+            for i, names in enumerate(batches):
+                last = "1" if i == len(batches) - 1 else "0"
+                self._run("keys_per_cap", self._keyed, [self._limits_key], [self._prefix, last, *names])
+            reply = self._run("keys_per_cap", self._keys, [self._limits_key], [self._prefix])
+        counts = {_text(reply[i]): int(reply[i + 1]) for i in range(1, len(reply), 2)}
+        return counts if at_most is None else {cap: min(keys, at_most) for cap, keys in counts.items()}
 
     def leases(self, slot: str | None = None) -> list[Lease]:
         args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]

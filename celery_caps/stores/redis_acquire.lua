@@ -30,7 +30,7 @@ local names = {}
 for i = 1, slot_count do
   local slot, limit_text = ARGV[5 + 2 * i], ARGV[6 + 2 * i]
   names[i] = slot
-  remember_limit(limits_key, slot, limit_text)
+  remember_limit(prefix, limits_key, slot, limit_text)
   if not slot_has_room(prefix, slot, tonumber(limit_text), task_id, now) then
     full[#full + 1] = slot
   end

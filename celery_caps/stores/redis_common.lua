@@ -119,11 +119,20 @@ local function delete_run(prefix, runs_key, expiry_key, run_id)
   return #run - 2
 end
 
+-- The names of keyed slots ('cap:key'), all at score 0, so that a cap's keys are a range
+-- by name (ZLEXCOUNT): the sweep's count of keys reads no list of every slot name.
+local function keyed_names_key(prefix)
+  return prefix .. ':keyed'
+end
+
 -- The sentinel: a slot's last limit.  Written only when it changes, so that a busy
--- slot does not replicate the same value on every admission.
-local function remember_limit(limits_key, slot, limit_text)
+-- slot does not replicate the same value on every admission; a new keyed slot's name
+-- joins the keyed names.
+local function remember_limit(prefix, limits_key, slot, limit_text)
   if redis.call('HGET', limits_key, slot) ~= limit_text then
-    redis.call('HSET', limits_key, slot, limit_text)
+    if redis.call('HSET', limits_key, slot, limit_text) == 1 and string.find(slot, ':', 1, true) then
+      redis.call('ZADD', keyed_names_key(prefix), 0, slot)
+    end
   end
 end
 

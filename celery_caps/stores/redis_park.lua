@@ -42,7 +42,7 @@ for i = 1, slot_count do
 end
 
 for i = 1, slot_count do
-  remember_limit(limits_key, names[i], limits[i])
+  remember_limit(prefix, limits_key, names[i], limits[i])
 end
 
 -- Its entry answers for the task (a duplicate, or a copy that arrived again) if it is this

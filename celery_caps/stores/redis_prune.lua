@@ -27,6 +27,7 @@ for i = 3, #ARGV do
         delete_run(prefix, runs_key, expiry_key, run_id)
       end
       redis.call('HDEL', limits_key, slot)
+      redis.call('ZREM', keyed_names_key(prefix), slot)
     end
   end
 end

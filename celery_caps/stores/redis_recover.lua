@@ -6,8 +6,8 @@
 -- names, or both), only the entries waiting for a slot of one of the caps (named like the
 -- cap, or "<cap>:<key>" for a cap name without ':'; a slot name is that slot alone) or of a
 -- task named are considered, with (to keep the order fair)
--- the other waiters of the slots those need.  Finding the entries of the tasks named reads
--- the records of the waiters of every other slot's list.  Only entries of the handle's
+-- the other waiters of the slots those need.  Finding the lists with entries of the tasks
+-- named reads each other slot's list up to its first such entry.  Only entries of the handle's
 -- deployment are considered at all: the others (their expired dispatches included) are left
 -- as they are, in their place.
 --
@@ -103,40 +103,51 @@ for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', sc
 end
 
 -- The lists of the caps' slots (every list without a scope), whose entries (of the handle's
--- deployment) are all considered; and, in the other lists, the members (with their scores) of
--- the entries of the tasks named, an entry of several such lists once, and the slots those
--- entries wait for.
-local named, of_names, names_slots, seen = {}, {}, {}, {}
+-- deployment) are all considered; and the other lists that hold an entry of a task named (each
+-- read up to its first such entry: the first, in a list of the worker's own tasks), whose
+-- entries are considered too, as they are walked with it.  (Every slot of an entry has it in
+-- its list, so each slot of an entry of a task named is found.)
+local function holds_named_entry(key)
+  local rank = 0
+  while true do
+    local members = redis.call('ZRANGE', key, rank, rank + WALK_CHUNK - 1)
+    for _, member in ipairs(members) do
+      local task_id = waiter_task_id(member)
+      local record = own(task_id, member) and read_waiter(keys.waiting, task_id)
+      if record and named_task(record) then
+        return true
+      end
+    end
+    if #members < WALK_CHUNK then
+      return false
+    end
+    rank = rank + WALK_CHUNK
+  end
+end
+
+local named, names_slots = {}, {}
 for _, slot in ipairs(redis.call('SMEMBERS', keys.waitlists)) do
   if of_caps(slot) then
     named[#named + 1] = slot
-  elseif by_task_name then
-    local members = {}
-    collect_members(lists.key(slot), '+inf', members)
-    for _, entry in ipairs(members) do
-      local task_id = waiter_task_id(entry.member)
-      if not seen[task_id] then
-        seen[task_id] = true
-        local record = own(task_id, entry.member) and read_waiter(keys.waiting, task_id)
-        if record and named_task(record) then
-          of_names[#of_names + 1] = entry
-          for j = RECORD_SLOTS, #record do
-            names_slots[#names_slots + 1] = record[j]
-          end
-        end
-      end
-    end
+  elseif by_task_name and holds_named_entry(lists.key(slot)) then
+    names_slots[#names_slots + 1] = slot
   end
 end
 
 if readmit_before ~= '' then
   local overdue = {}
-  local before = tonumber(readmit_before)
+  local before = '(' .. score_text(tonumber(readmit_before))
   for _, slot in ipairs(named) do
-    collect_members(lists.key(slot), '(' .. score_text(before), overdue)
+    collect_members(lists.key(slot), before, overdue)
   end
-  for _, entry in ipairs(of_names) do
-    if entry.score < before then
+  -- Of the other lists, the entries of the tasks named alone.
+  local others = {}
+  for _, slot in ipairs(names_slots) do
+    collect_members(lists.key(slot), before, others)
+  end
+  for _, entry in ipairs(others) do
+    local record = read_waiter(keys.waiting, waiter_task_id(entry.member))
+    if record and named_task(record) then
       overdue[#overdue + 1] = entry
     end
   end
@@ -161,12 +172,28 @@ else
     local waiters_key = lists.key(slot)
     if redis.call('EXISTS', waiters_key) == 1 then
       add(slot)
-      for _, member in ipairs(redis.call('ZRANGE', waiters_key, 0, -1)) do
-        local task_id = waiter_task_id(member)
-        local record = own(task_id, member) and read_waiter(keys.waiting, task_id)
-        if record and is_waiting(record) then
-          for j = RECORD_SLOTS, #record do
-            add(record[j])
+      -- The walk of a full slot's list stops at its first waiting entry that does not fit
+      -- (dispatch_waiters): the entries up to it are all that can matter, however long the list.
+      -- (An entry whose task holds the slot already fits it.)
+      local tasks_key = slot_key(prefix, slot, 'tasks')
+      local limit = redis.call('HGET', keys.limits, slot)
+      local full = not limit or not slot_has_room(prefix, slot, tonumber(limit), '', now, nil)
+      local rank, done = 0, false
+      while not done do
+        local members = redis.call('ZRANGE', waiters_key, rank, rank + WALK_CHUNK - 1)
+        rank = rank + WALK_CHUNK
+        done = #members < WALK_CHUNK
+        for _, member in ipairs(members) do
+          local task_id = waiter_task_id(member)
+          local record = own(task_id, member) and read_waiter(keys.waiting, task_id)
+          if record and is_waiting(record) then
+            for j = RECORD_SLOTS, #record do
+              add(record[j])
+            end
+            if full and not holds_live_lease(tasks_key, task_id, now) then
+              done = true
+              break
+            end
           end
         end
       end

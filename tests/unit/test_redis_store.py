@@ -122,12 +122,21 @@ def written_keys(client: redis.Redis, store: RedisStore) -> set[bytes]:
     return set(client.scan_iter(match=f"{store.key_prefix}*", count=1000))
 
 
-def index_keys(store: RedisStore, *task_ids: str) -> set[bytes]:
-    """The keys every admission writes besides its slots' own keys."""
+def index_keys(store: RedisStore, *task_ids: str, keyed: bool = True) -> set[bytes]:
+    """The keys every admission writes besides its slots' own keys (``keyed``: and the keyed
+    names, once a keyed slot is named)."""
+    return (
+        sentinel_keys(store, keyed=keyed)
+        | {store.key_prefix.encode() + name for name in (b":runs", b":expiry")}
+        | {store.task_key(task_id) for task_id in task_ids}
+    )
+
+
+def sentinel_keys(store: RedisStore, *, keyed: bool = True) -> set[bytes]:
+    """The keys that stay when every lease and waiter is gone: the limits (the sentinels) and,
+    once a keyed slot is named, the keyed names."""
     prefix = store.key_prefix.encode()
-    return {prefix + b":limits", prefix + b":runs", prefix + b":expiry"} | {
-        store.task_key(task_id) for task_id in task_ids
-    }
+    return {prefix + b":limits", prefix + b":keyed"} if keyed else {prefix + b":limits"}
 
 
 # -- key prefixes ----------------------------------------------------------------------
@@ -163,6 +172,29 @@ def test_stores_with_different_key_prefixes_share_a_database_without_seeing_each
     first_keys, second_keys = written_keys(client, first), written_keys(client, second)
     assert first_keys and second_keys
     assert first_keys.isdisjoint(second_keys)
+
+
+def test_keys_per_cap_counts_keys_named_before_the_keyed_names_existed_and_after_a_prune(
+    new_store: Callable[..., RedisStore], client: redis.Redis
+) -> None:
+    store = new_store()
+    # Given keyed slots named by a store that kept no keyed names (their set deleted)
+    for key in ("a", "b", "c"):
+        store.acquire({f"tenant:{key}": 1, "plain": 1}, f"t-{key}", f"r-{key}", HOLDER, LONG_LEASE)
+        store.release(f"r-{key}")
+    keyed = store.key_prefix.encode() + b":keyed"
+    client.delete(keyed)
+
+    # Then the count fills the keyed names once from the sentinels, and counts them
+    assert store.keys_per_cap() == {"tenant": 3}
+    assert client.zrangebylex(keyed, "-", "+") == [b"", b"tenant:a", b"tenant:b", b"tenant:c"]
+    # and a key named later is counted, a key pruned is not
+    store.acquire({"tenant:d": 1}, "t-d", "r-d", HOLDER, LONG_LEASE)
+    store.release("r-d")
+    assert store.prune("tenant:a") == ["tenant:a"]
+    assert store.keys_per_cap() == {"tenant": 3}
+    assert store.keys_per_cap(2) == {"tenant": 2}
+    assert client.zrangebylex(keyed, "-", "+") == [b"", b"tenant:b", b"tenant:c", b"tenant:d"]
 
 
 def test_an_empty_key_prefix_is_refused() -> None:
@@ -263,7 +295,7 @@ def test_a_waiter_lives_in_the_hash_slot_of_the_slot_it_waits_for(
     assert second.task_id == "task-3"
     assert store.claim(second.task_id, second.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
     assert store.release(second.run_id) == 2
-    assert written_keys(client, store) == {store.key_prefix.encode() + b":limits"}
+    assert written_keys(client, store) == sentinel_keys(store)
 
 
 def test_stores_with_different_key_prefixes_never_see_each_others_waiters(
@@ -686,7 +718,7 @@ def test_slot_names_and_task_ids_with_braces_never_collide(
 
     # Then nothing but the sentinels is left: the Python and Lua spellings of the keys agree
     assert store.leases() == []
-    assert written_keys(client, store) == {store.key_prefix.encode() + b":limits"}
+    assert written_keys(client, store) == sentinel_keys(store)
     assert [status.holders for status in store.status()] == [0] * len(BRACE_NAMES)
 
 
@@ -717,7 +749,7 @@ def test_waiters_of_slots_with_braces_never_collide(new_store: Callable[..., Red
     # Then nothing but the sentinels is left: the Python and Lua spellings of the keys agree
     assert store.waiters() == []
     assert store.leases() == []
-    assert written_keys(client, store) == {store.key_prefix.encode() + b":limits"}
+    assert written_keys(client, store) == sentinel_keys(store)
 
 
 # -- a client of the application's own ---------------------------------------------------

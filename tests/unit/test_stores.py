@@ -9,6 +9,7 @@ build their own store (threads for the in-memory store, which one process owns).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import queue
@@ -36,6 +37,7 @@ from celery_caps.stores.base import (
     SlotStore,
     Woken,
 )
+from celery_caps.sweep import sweep_store
 from tests.services import StoreKind, StoreTarget, own_status
 
 #: Long enough never to expire during a test, in seconds.
@@ -369,6 +371,54 @@ def test_keys_per_cap_counts_the_slot_names_of_each_keyed_cap(store: SlotStore, 
     assert store.prune(f"{keyed}:") == [f"{keyed}:a", f"{keyed}:b", f"{keyed}:c"]
     counts = {cap: keys for cap, keys in store.keys_per_cap().items() if cap.startswith(prefix)}
     assert counts == {other: 1}
+
+
+def test_keys_per_cap_stops_counting_at_at_most(store: SlotStore, prefix: str) -> None:
+    # Given a keyed cap with five keys, one with two, a cap whose name starts like the first's
+    # (its keys are not the first's), and a plain cap named between them
+    busy, small, longer = f"{prefix}busy", f"{prefix}small", f"{prefix}busy2"
+    slots = [f"{busy}:{key}" for key in "abcde"] + [f"{small}:a", f"{small}:b", f"{longer}:a", f"{prefix}busy1"]
+    for slot in slots:
+        store.release(admit(store, {slot: 1}, f"{prefix}t-{slot}"))
+
+    def own(at_most: int | None) -> dict[str, int]:
+        return {cap: keys for cap, keys in store.keys_per_cap(at_most).items() if cap.startswith(prefix)}
+
+    # Then a count stops at at_most (the cap has at least that many keys), and only there
+    assert own(3) == {busy: 3, small: 2, longer: 1}
+    assert own(5) == own(None) == {busy: 5, small: 2, longer: 1}
+    # and at_most must be a positive int
+    with pytest.raises(StoreInputError, match="at_most"):
+        store.keys_per_cap(0)
+
+
+def test_the_sweep_warns_about_a_cap_past_the_threshold_without_counting_every_key(
+    store: SlotStore, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a keyed cap with four keys and a threshold of two
+    tenant = f"{prefix}tenant"
+    for key in "abcd":
+        store.release(admit(store, {f"{tenant}:{key}": 1}, f"{prefix}t-{key}"))
+    counted: list[int | None] = []
+    count = store.keys_per_cap
+
+    def keys_per_cap(at_most: int | None = None) -> dict[str, int]:
+        counted.append(at_most)
+        return count(at_most)
+
+    store.keys_per_cap = keys_per_cap  # type: ignore[method-assign]
+
+    # When the beat's sweep runs
+    with caplog.at_level(logging.WARNING, logger="celery_caps.sweep"):
+        sweep_store(store, 2)
+
+    # Then it counted up to the threshold + 1 only, and says the cap has more than the threshold
+    assert counted == [3]
+    warnings = [record.getMessage() for record in caplog.records if tenant in record.getMessage()]
+    assert warnings == [
+        f"cap '{tenant}' has more than 2 distinct keys (caps_key_warning_threshold): keys must come from a "
+        "bounded set; each key keeps a row. Prune retired keys with `celery caps prune-keys`."
+    ]
 
 
 # -- releasing for someone else ----------------------------------------------------

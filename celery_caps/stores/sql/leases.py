@@ -340,12 +340,34 @@ class SQLLeaseStore(SlotStore):
             total += deleted
         return total
 
-    def keys_per_cap(self) -> dict[str, int]:
-        pattern = {"pattern": self.dialect.exact("%:%")}
+    def keys_per_cap(self, at_most: int | None = None) -> dict[str, int]:
+        # A skip scan of the sentinels: per cap, its first name, then its keys up to ``at_most``;
+        # never a read of every sentinel.  (The reads may see different moments: a count a little
+        # off is fine for a warning.  The ranges are by the name column's order: characters on
+        # MySQL/MariaDB and SQLite, the database's collation on PostgreSQL, where one that does
+        # not order ':' just before ';' (C and C.UTF-8 do) may leave keys out of a count.)
+        statements, exact = self.statements, self.dialect.exact
+        most = at_most if at_most is not None else 2**31 - 1
 
         def read(connection: Connection) -> dict[str, int]:
-            rows = self.statements.execute(connection, "keys_per_cap", pattern)
-            return {as_text(cap): int(keys) for cap, keys in rows}
+            counts: dict[str, int] = {}
+            start = after = ""
+            while True:
+                row = statements.execute(connection, "next_sentinel", {"start": exact(start), "after": exact(after)})
+                found = row.scalar()
+                if found is None:
+                    return counts
+                after = as_text(found)
+                cap, separator, _key = after.partition(":")
+                start = after
+                if separator:
+                    # Cap names have no ':', so the names 'cap:...' are those from 'cap:' to 'cap;'.
+                    low, high = cap + ":", cap + ";"
+                    params = {"low": exact(low), "high": exact(high), "pattern": statements.prefix_pattern(low)}
+                    counts[cap] = int(
+                        statements.execute(connection, "keys_of_cap", {**params, "most": most}).scalar_one()
+                    )
+                    start = high
 
         return self._transaction(read, read_only=True)
 
@@ -353,9 +375,10 @@ class SQLLeaseStore(SlotStore):
 
     def status(self) -> list[SlotStatus]:
         def read(connection: Connection) -> list[SlotStatus]:
+            now = self.statements.execute(connection, "now").scalar_one()
             return [
                 SlotStatus(as_text(slot), limit, int(holders), int(expired))
-                for slot, limit, holders, expired in self.statements.execute(connection, "status")
+                for slot, limit, holders, expired in self.statements.execute(connection, "status", {"now": now})
             ]
 
         return self._transaction(read, read_only=True)

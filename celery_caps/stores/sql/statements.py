@@ -83,17 +83,28 @@ TEMPLATES: dict[str, str] = {
         "SELECT task_id FROM concurrency_waiters WHERE done_until <= :now ORDER BY done_until LIMIT :batch"
     ),
     "sweep_tombstones": "DELETE FROM concurrency_waiters WHERE task_id IN :task_ids AND done_until <= :now",
-    # Keys per keyed cap (slot names ``cap:key``): the sentinels, read from the primary key's
-    # range of run id '' (a plain read: it locks nothing).
-    "keys_per_cap": (
-        "SELECT {cap_of_slot}, COUNT(*) FROM concurrency_slots WHERE run_id = '' AND slot LIKE :pattern "
-        "GROUP BY {cap_of_slot}"
+    # Keys per keyed cap (slot names ``cap:key``), from the sentinels in the primary key's order
+    # (plain reads: they lock nothing), each read a short range of it: the first sentinel at or
+    # after :start and after :after; a cap's keys, the names from :low ('cap:') to :high
+    # ('cap;', the next character), counted up to :most.  (The range is the index's; the prefix
+    # test keeps the count exact where a collation orders names otherwise.)
+    "next_sentinel": (
+        "SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot >= :start AND slot > :after "
+        "ORDER BY slot LIMIT 1"
     ),
+    "keys_of_cap": (
+        "SELECT COUNT(*) FROM (SELECT slot FROM concurrency_slots WHERE run_id = '' AND slot >= :low "
+        "AND slot < :high AND {slot_starts_with} ORDER BY slot LIMIT :most) AS k"
+    ),
+    # Every slot with its live holders and expired leases: the table read once, grouped by slot
+    # (by the store's clock read once, :now), the sentinel giving the limit (NULL on leases).
+    # Never a count per slot, which a planner may make from the expiry's index, walking every
+    # expired (or, on MariaDB, released and not yet purged) lease once per slot; nor a join of
+    # two reads, which MariaDB may make a nested loop over both.
     "status": (
-        "SELECT s.slot, s.slot_limit, "
-        "(SELECT COUNT(DISTINCT l.task_id) FROM concurrency_slots l WHERE l.slot = s.slot AND l.expires_at > {now}), "
-        "(SELECT COUNT(*) FROM concurrency_slots l WHERE l.slot = s.slot AND l.expires_at <= {now}) "
-        "FROM concurrency_slots s WHERE s.run_id = '' ORDER BY s.slot"
+        "SELECT slot, MAX(slot_limit), COUNT(DISTINCT CASE WHEN expires_at > :now THEN task_id END), "
+        "SUM(CASE WHEN expires_at <= :now THEN 1 ELSE 0 END) FROM concurrency_slots GROUP BY slot "
+        "HAVING MAX(CASE WHEN run_id = '' THEN 1 ELSE 0 END) = 1 ORDER BY slot"
     ),
     "leases_all": (
         "SELECT slot, task_id, run_id, holder, expires_at - {now}, task_name, {now} - acquired_at "
@@ -163,31 +174,43 @@ TEMPLATES: dict[str, str] = {
         "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND holder = :holder AND run_id <> ''"
     ),
     "task_slots": "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''",
+    # Whether a slot's list has an entry, below, is "(SELECT 1 ... ORDER BY w.first_deferred_at
+    # LIMIT 1) IS NOT NULL": a look at the first rows of that one list's part of :deployment, per
+    # slot, in the order of ix_concurrency_waiters_order (so that the planner reads that index,
+    # not the table, to find them).  An EXISTS there, LIMIT or not, PostgreSQL and MariaDB may
+    # turn into a semi-join that reads every entry of every list (all of a full slot's waiters,
+    # on every recovery pass); a scalar subquery they keep as it is written.
     # The slots with listed entries of :deployment of one cap (recovery of some caps): the slot
     # named like it, and its keys'; of a slot name (it has a ':'), that slot alone (listed_slot).
-    # (Every slot with a list has a row in concurrency_waitlists: one row per slot of the cap,
-    # and a look at the first rows of its list's part of :deployment.)
+    # (Every slot with a list has a row in concurrency_waitlists: one row per slot of the cap.)
     "cap_slots": (
-        "SELECT n.slot FROM concurrency_waitlists n WHERE (n.slot = :cap OR {slot_starts_with}) AND EXISTS ("
+        "SELECT n.slot FROM concurrency_waitlists n WHERE (n.slot = :cap OR {slot_starts_with}) AND ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
-        "AND w.done_until IS NULL)"
+        "AND w.done_until IS NULL "
+        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
     "listed_slot": (
-        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND deployment = :deployment "
-        "AND slot = :cap"
+        "SELECT n.slot FROM concurrency_waitlists n WHERE n.slot = :cap AND ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+        "AND w.done_until IS NULL "
+        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
-    # Every slot of the listed entries of :deployment of the tasks named :task_names (recovery of
-    # the tasks a worker knows, whatever their slots are called).
+    # The slots with listed entries of :deployment of the tasks named :task_names (recovery of the
+    # tasks a worker knows, whatever their slots are called): per slot with a list, a look at its
+    # list's part of :deployment up to the first such entry (the first row, in a list of the
+    # worker's own tasks).  Every row of an entry has its task name: each of its slots is found.
     "named_slots": (
-        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_name IN :task_names "
-        "AND deployment = :deployment"
+        "SELECT n.slot FROM concurrency_waitlists n WHERE ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+        "AND w.task_name IN :task_names AND w.done_until IS NULL "
+        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
-    # Every slot of every listed entry of :deployment (waiting or dispatched) that waits for one of
-    # :slots (every row of an entry has its deployment).
-    "listed_slots": (
+    # The other slots of the (rare) listed entries of :deployment of several slots that wait for
+    # one of :slots (ix_concurrency_waiters_several: never a walk of the lists).
+    "several_listed_slots": (
         "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_id IN "
         "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment "
-        "AND done_until IS NULL)"
+        "AND slot_count > 1 AND done_until IS NULL)"
     ),
     # Every slot of every waiting task of :deployment that waits for one of :slots (to lock them
     # all, in order), in two reads that each cost what they find, however long the lists (their
@@ -195,9 +218,10 @@ TEMPLATES: dict[str, str] = {
     # first rows of each list's part of :deployment), and every slot of the (rare) waiters of
     # several slots (ix_concurrency_waiters_several).
     "slots_waited_for": (
-        "SELECT s.slot FROM concurrency_slots s WHERE s.run_id = '' AND s.slot IN :slots AND EXISTS "
+        "SELECT s.slot FROM concurrency_slots s WHERE s.run_id = '' AND s.slot IN :slots AND "
         "(SELECT 1 FROM concurrency_waiters w WHERE w.slot = s.slot AND w.deployment = :deployment "
-        "AND w.dispatch_run_id IS NULL)"
+        "AND w.dispatch_run_id IS NULL "
+        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
     "several_waiting_slots": (
         "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN "
@@ -206,21 +230,24 @@ TEMPLATES: dict[str, str] = {
     ),
     # The slots (of :slots, or any) with waiting entries of :deployment where a waiter may fit:
     # fewer live holders than the slot's limit, its sentinel's (read without locks: recovery
-    # locks these).  (One row per slot with a list, its sentinel by the primary key, and a look
-    # at the first rows of its list's part of :deployment for a waiting entry.)
+    # locks these).  (One row per slot with a list, its sentinel by the primary key, its live
+    # holders through ix_concurrency_slots_slot_expiry, and a look at the first rows of its list's
+    # part of :deployment for a waiting entry.)
     "slots_with_room": (
         "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
         "WHERE n.slot IN :slots AND n.entries > 0 AND s.slot_limit > (SELECT COUNT(DISTINCT c.task_id) "
-        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND EXISTS ("
+        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
-        "AND w.dispatch_run_id IS NULL)"
+        "AND w.dispatch_run_id IS NULL "
+        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
     "all_slots_with_room": (
         "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
         "WHERE n.entries > 0 AND s.slot_limit > (SELECT COUNT(DISTINCT c.task_id) "
-        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND EXISTS ("
+        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
-        "AND w.dispatch_run_id IS NULL)"
+        "AND w.dispatch_run_id IS NULL "
+        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
     # The limits of :slots, their sentinels' (a dispatch counts against these, never against the
     # limits its waiters were parked under).
@@ -278,12 +305,12 @@ TEMPLATES: dict[str, str] = {
         "WHERE dispatch_expires_at <= :now AND done_until IS NULL AND deployment = :deployment ORDER BY task_id"
     ),
     # (Of the entries of a recovery's scope: waiting for one of :slots, or of a task named in
-    # :task_names.)
+    # :task_names; per expired dispatch, a look at its task's rows, never at the lists of :slots.)
     "expired_dispatches_of": (
         "SELECT DISTINCT task_id, dispatch_run_id, dispatches FROM concurrency_waiters "
         "WHERE dispatch_expires_at <= :now AND done_until IS NULL AND deployment = :deployment "
-        "AND (task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment) "
-        "OR task_name IN :task_names) ORDER BY task_id"
+        "AND (task_name IN :task_names OR EXISTS (SELECT 1 FROM concurrency_waiters o "
+        "WHERE o.task_id = concurrency_waiters.task_id AND o.slot IN :slots LIMIT 1)) ORDER BY task_id"
     ),
     "undispatch": (
         "UPDATE concurrency_waiters SET dispatch_run_id = NULL, dispatch_expires_at = NULL "
@@ -309,8 +336,9 @@ TEMPLATES: dict[str, str] = {
     "overdue_of": (
         "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
         "WHERE deployment = :deployment AND dispatch_run_id IS NULL AND first_deferred_at < :before "
-        "AND (task_id IN (SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment) "
-        "OR task_name IN :task_names) ORDER BY first_deferred_at, parked_at, task_id"
+        "AND (task_name IN :task_names OR EXISTS (SELECT 1 FROM concurrency_waiters o "
+        "WHERE o.task_id = concurrency_waiters.task_id AND o.slot IN :slots LIMIT 1)) "
+        "ORDER BY first_deferred_at, parked_at, task_id"
     ),
     # A slot's waiting entries of :deployment, in their order (an operator's drain).
     "waiting_of_slot": (

@@ -389,7 +389,11 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                         pattern = {"cap": cap, "pattern": statements.prefix_pattern(cap + ":"), **own}
                         rows = statements.execute(connection, "cap_slots", pattern)
                     cap_slots.update(as_text(row[0]) for row in rows)
-                considered = self._names(connection, "listed_slots", "slots", cap_slots, own) if cap_slots else set()
+                # The caps' slots, the other slots of their (rare) entries of several slots, and the
+                # slots with entries of the tasks named: no read walks a whole list.
+                considered = set(cap_slots)
+                if cap_slots:
+                    considered |= self._names(connection, "several_listed_slots", "slots", cap_slots, own)
                 if names:
                     considered |= self._names(connection, "named_slots", "task_names", names, own)
                 if not considered:
