@@ -32,31 +32,21 @@ from celery_caps.caps import slots_for
 from celery_caps.messages import COUNTDOWN_HEADER
 from celery_caps.stores.memory import MemoryStore
 from celery_caps.worker import CappedRequest
+from tests.unit.embedded import embedded_app
 
 BACKOFF_SECONDS = 0.2
 
 
 @pytest.fixture
 def app() -> Iterator[Celery]:
-    app = Celery("put-back", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(
-        caps_url=MemoryStore(),
+    with embedded_app(
+        "put-back",
+        backend="cache+memory://",
         caps_strategy="backoff",
         caps_backoff_min_seconds=BACKOFF_SECONDS,
         caps_backoff_max_seconds=BACKOFF_SECONDS,
-        caps_sweep_interval_seconds=None,
-        # The embedded worker must leave the test process's logging alone (caplog in later tests).
-        worker_hijack_root_logger=False,
-        worker_redirect_stdouts=False,
-    )
-    # Celery's embedded worker sets the root logger's level (to its loglevel, ERROR by default):
-    # later tests' caplog must see warnings again.
-    root_level = logging.getLogger().level
-    try:
+    ) as app:
         yield app
-    finally:
-        app.close()
-        logging.getLogger().setLevel(root_level)
 
 
 def test_a_put_back_copy_carries_its_countdown_and_waits_no_longer(app: Celery) -> None:

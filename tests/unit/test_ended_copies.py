@@ -13,9 +13,7 @@ copy is freed as its trace returns, by reference counting alone.
 from __future__ import annotations
 
 import gc
-import logging
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,29 +25,15 @@ from celery.contrib.testing.worker import start_worker
 from celery_caps import Cap, CappedTask
 from celery_caps.caps import slots_for
 from celery_caps.stores.memory import MemoryStore
+from tests.unit.embedded import embedded_app
 
 COPIES = 40
 
 
 @pytest.fixture
 def app() -> Iterator[Celery]:
-    app = Celery("ended-copies", broker="memory://", set_as_current=False)
-    app.conf.update(
-        # kombu's memory transport is one broker per process: a queue of this test's own, so that
-        # no message left by another test (a woken copy) reaches this test's worker.
-        task_default_queue=f"ended-copies-{uuid.uuid4().hex[:8]}",
-        caps_url=MemoryStore(),
-        caps_sweep_interval_seconds=None,
-        task_ignore_result=True,
-        worker_hijack_root_logger=False,
-        worker_redirect_stdouts=False,
-    )
-    root_level = logging.getLogger().level
-    try:
+    with embedded_app("ended-copies", task_ignore_result=True) as app:
         yield app
-    finally:
-        app.close()
-        logging.getLogger().setLevel(root_level)
 
 
 def _live_exception_infos() -> int:

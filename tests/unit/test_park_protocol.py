@@ -817,6 +817,15 @@ def _run_through(machine: Any, worker: str, task: str) -> None:
     _finish(machine, worker)
 
 
+def _t1_runs_and_t5_waits(machine: Any) -> None:
+    """t1 is delivered to w1 and runs; t5, delivered to w2, parks behind it (their shared slot)."""
+    machine.send({"t1", "t5"})
+    _deliver(machine, "t1", "w1", dispatched=False)
+    _deliver(machine, "t5", "w2", dispatched=False)
+    _start(machine, "w1", "t1")
+    _run_through(machine, "w2", "t5")  # parks
+
+
 def test_a_copy_returned_by_a_warm_shutdown_after_another_dispatch_ran_never_runs_again(
     protocol_target: StoreTarget | None,
 ) -> None:
@@ -824,11 +833,7 @@ def test_a_copy_returned_by_a_warm_shutdown_after_another_dispatch_ran_never_run
     machine = make_machine(protocol_target, protocol_target is None)()
     try:
         # Given: t1 runs on w1 and t5 waits for their shared slot (k:a, limit 1)
-        machine.send({"t1", "t5"})
-        _deliver(machine, "t1", "w1", dispatched=False)
-        _deliver(machine, "t5", "w2", dispatched=False)
-        _start(machine, "w1", "t1")
-        _run_through(machine, "w2", "t5")  # parks
+        _t1_runs_and_t5_waits(machine)
         _finish(machine, "w1")  # its release dispatches t5 (D1)
         # ... D1's copy waits in w1's prefetch buffer past its deadline; recovery dispatches D2,
         # which w2 claims and runs
@@ -858,11 +863,7 @@ def test_an_unpublishable_task_whose_forget_reply_is_lost_still_fails_visibly(
     machine = make_machine(protocol_target, protocol_target is None)()
     try:
         # Given: t1 runs on w1, t5 waits for their shared slot, and a deploy breaks t5's message
-        machine.send({"t1", "t5"})
-        _deliver(machine, "t1", "w1", dispatched=False)
-        _deliver(machine, "t5", "w2", dispatched=False)
-        _start(machine, "w1", "t1")
-        _run_through(machine, "w2", "t5")  # parks
+        _t1_runs_and_t5_waits(machine)
         machine.poisoned.add("t5")
         # When: t1's release hands the slot to t5 and, its copy unpublishable, t5 is failed with
         # the store lossy: the forget takes t5 off the list, and its reply is lost
