@@ -196,12 +196,15 @@ class Recovery(threading.Thread):
         super().__init__(name="celery-caps-recovery", daemon=True)
         self.runtime = runtime
         self._stopped = threading.Event()
+        # A generator of its own: a background thread drawing from the global one would change
+        # the sequence the process's own code sees (a seeded program, hypothesis's examples).
+        self._jitter = random.Random()
 
     def stop(self) -> None:
         self._stopped.set()
 
     def run(self) -> None:
-        while not self._stopped.wait(RECOVERY_SECONDS * random.uniform(0.8, 1.2)):
+        while not self._stopped.wait(RECOVERY_SECONDS * self._jitter.uniform(0.8, 1.2)):
             self.tick()
 
     def tick(self) -> None:
