@@ -585,6 +585,14 @@ def delete_slot_rows(store: SlotStore, prefix: str) -> None:
         fields = [name for name, _ in client.hscan_iter(limits, match=f"{prefix}*")]
         if fields:
             client.hdel(limits, *fields)
+        # ... and the keyed ones are members of the "<key prefix>:keyed" sorted set, with its
+        # marker '' (complete), which goes with the last name.
+        keyed = f"{store.key_prefix}:keyed"
+        names = [name for name, _ in client.zscan_iter(keyed, match=f"{prefix}*")]
+        if names:
+            client.zrem(keyed, *names)
+        if client.zrange(keyed, 0, 1) in ([], [b""]):
+            client.delete(keyed)
     if isinstance(store, SQLStore):
         # On MySQL/MariaDB the name columns are VARBINARY: compare bytes.
         pattern = store.dialect.exact(prefix)
