@@ -69,7 +69,7 @@ DESELECTED: dict[str, str] = {
 #: Tests rerun (up to twice) when they fail, with the race in Celery that fails them now and then
 #: (node id suffix -> reason).  Celery's own ``@flaky`` marks are removed: no other test is rerun.
 RERUN: dict[str, str] = {
-    "test_tasks.py::test_tasks::test_retry_preserves_ignore_result_false": (
+    "test_tasks.py::test_task_redis_result_backend::test_retry_preserves_ignore_result_false": (
         "Celery sends the retry's message before the first attempt stores RETRY, and "
         "_store_result's guard against overwriting SUCCESS reads, then writes: a retried attempt "
         "that stores SUCCESS between the two leaves RETRY as the final state.  Traced in this "
@@ -198,6 +198,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _use_redis_db(tasks.get_redis_connection, int(os.environ.get("CAPS_SUITE_REDIS_DB", "0")))
     subset = os.environ.get("CAPS_SUITE_SUBSET", "")
     kept, dropped = [], []
+    _check_names_match(config, items)
     for item in items:
         in_ci = _in_ci_subset(item)
         if in_ci:
@@ -213,6 +214,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def _check_names_match(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Stop the run if a name in DESELECTED or RERUN matches no test of a module that was collected
+    (a renamed test, or a wrong class in the name, would otherwise leave it silently unhandled)."""
+    if config.option.keyword or config.option.markexpr:
+        return
+    modules = {item.nodeid.split("::")[0].rsplit("/", 1)[-1] for item in items}
+    unmatched = [
+        suffix
+        for suffix in (*DESELECTED, *RERUN)
+        if suffix.split("::")[0] in modules and not any(item.nodeid.endswith(suffix) for item in items)
+    ]
+    if unmatched:
+        raise pytest.UsageError(f"caps_suite_plugin: no test collected is named {', '.join(unmatched)}")
 
 
 def _in_ci_subset(item: pytest.Item) -> bool:
