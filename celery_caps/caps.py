@@ -1,8 +1,9 @@
 """The cap specification: a name, a limit and an optional key function.
 
 A :class:`Cap` turns a task's arguments into a *slot name*: ``name`` for a global
-cap, ``name + ":" + key`` for a keyed one, where each key gets its own ``limit``.
-This module validates caps and keys and knows nothing of stores or Celery.
+cap, ``name + ":" + key`` for a keyed one, where each key gets its own ``limit``
+(a number, or for a keyed cap a function of the same arguments).  This module
+validates caps, keys and limits and knows nothing of stores or Celery.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ MAX_SLOT_LENGTH = MAX_NAME_LENGTH + 1 + MAX_KEY_LENGTH
 _FORBIDDEN_CHARACTERS = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 
 KeyFunction = Callable[..., str]
+LimitFunction = Callable[..., int]
 
 
 #: Longest part of a key function's own exception text that a CapKeyError quotes.
@@ -50,13 +52,15 @@ class Cap:
         name: The cap's name, shared by every task that uses the same cap.
             Non-empty, at most 100 characters, no ``:`` and no control characters.
         limit: How many distinct task ids may hold the slot at once; a positive int.
+            For a keyed cap, also a function called like ``key`` that returns the
+            positive int of the call's key (premium tenants 10, others 1).
         key: Optional function called with the task's own positional and keyword
             arguments; it returns a string, and each distinct string gets its own
             ``limit``.  Keys must come from a bounded set (tenants, regions).
     """
 
     name: str
-    limit: int
+    limit: int | LimitFunction
     key: KeyFunction | None = None
 
     def __post_init__(self) -> None:
@@ -69,12 +73,19 @@ class Cap:
                 f"Cap name {_describe(self.name)} must not contain ':' or control characters "
                 "(':' separates the name from the key in slot names)"
             )
-        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1:
-            raise ConfigurationError(
-                f"Cap {self.name!r}: limit must be a positive integer, got {_describe(self.limit)}"
-            )
         if self.key is not None and not callable(self.key):
             raise ConfigurationError(f"Cap {self.name!r}: key must be a callable or None, got {_describe(self.key)}")
+        if callable(self.limit):
+            if self.key is None:
+                raise ConfigurationError(
+                    f"Cap {self.name!r}: a limit function ({function_name(self.limit)}) needs a key function: "
+                    "every slot has one limit, so a limit that depends on the arguments must come with a key "
+                    "that does"
+                )
+        elif not _positive_int(self.limit):
+            raise ConfigurationError(
+                f"Cap {self.name!r}: limit must be a positive integer or a function, got {_describe(self.limit)}"
+            )
 
     def slot_name(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The slot this cap takes for a task called with ``args`` and ``kwargs``.
@@ -90,13 +101,40 @@ class Cap:
             # The key function's own message may be anything, 10 MB included: the error is
             # stored in the result backend and logged, so quote only its beginning.
             raise CapKeyError(
-                f"Cap {self.name!r}: key function {_function_name(self.key)} raised {type(exc).__name__}: "
+                f"Cap {self.name!r}: key function {function_name(self.key)} raised {type(exc).__name__}: "
                 f"{_shorten(str(exc), _MAX_QUOTED_ERROR_LENGTH)}"
             ) from exc
         return f"{self.name}:{validate_key(self.name, key)}"
 
+    def limit_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+        """The limit of the slot this cap takes for a task called with ``args`` and ``kwargs``.
 
-def _function_name(function: Callable[..., Any]) -> str:
+        Raises:
+            CapKeyError: the limit function raised or returned something that is not a positive int.
+        """
+        if not callable(self.limit):
+            return self.limit
+        try:
+            limit = self.limit(*args, **kwargs)
+        except Exception as exc:
+            raise CapKeyError(
+                f"Cap {self.name!r}: limit function {function_name(self.limit)} raised {type(exc).__name__}: "
+                f"{_shorten(str(exc), _MAX_QUOTED_ERROR_LENGTH)}"
+            ) from exc
+        if not _positive_int(limit):
+            raise CapKeyError(
+                f"Cap {self.name!r}: limit function {function_name(self.limit)} must return a positive integer, "
+                f"got {type(limit).__name__} {_describe(limit)}"
+            )
+        return limit
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def function_name(function: Callable[..., Any]) -> str:
+    """How messages name a user's key or limit function."""
     return getattr(function, "__qualname__", None) or repr(function)
 
 
@@ -140,6 +178,6 @@ def slots_for(caps: Sequence[Cap], args: Sequence[Any], kwargs: Mapping[str, Any
     """Map each slot name a call needs to its limit.
 
     Raises:
-        CapKeyError: a key function raised or returned an unusable key.
+        CapKeyError: a key or limit function raised or returned an unusable value.
     """
-    return {cap.slot_name(args, kwargs): cap.limit for cap in caps}
+    return {cap.slot_name(args, kwargs): cap.limit_for(args, kwargs) for cap in caps}

@@ -24,7 +24,8 @@ class MissingDependencyError(ConfigurationError, ImportError):
 
 
 class CapKeyError(CapsError, ValueError):
-    """A cap's key function raised, or returned something that is not a usable key."""
+    """A cap's key or limit function raised, or returned something that is not a usable key or
+    limit (a positive int)."""
 
 
 class StoreInputError(CapsError, ValueError):

@@ -122,6 +122,8 @@ class CapSummary:
     tasks: tuple[str, ...]
     #: Parked tasks over the cap's slots (a task waiting for two keys counts twice).
     waiters: int = 0
+    #: The function(s) that give each key its limit (then ``limit`` is None), comma-separated.
+    limit_function: str | None = None
 
 
 def summarize(
@@ -148,6 +150,7 @@ def summarize(
                 expired=sum(status.expired for status in slots),
                 tasks=info.tasks if info is not None else (),
                 waiters=sum(waiting[status.slot].waiters for status in slots if status.slot in waiting),
+                limit_function=", ".join(info.limit_functions) if info is not None and info.limit_functions else None,
             )
         )
     return summaries
@@ -180,7 +183,8 @@ def _status_tables(
         if line.keys > threshold:
             keys = Text.assemble((str(line.keys), "bold red"), f" (> {threshold})")
         name = line.cap if line.registered else Text.assemble(line.cap, (" (not registered)", "dim"))
-        cells = [name, str(line.limit) if line.limit is not None else "?", keys, str(line.holders), str(line.expired)]
+        limit_cell = str(line.limit) if line.limit is not None else "per key" if line.limit_function else "?"
+        cells = [name, limit_cell, keys, str(line.holders), str(line.expired)]
         if show_waiting:
             cells.append(str(line.waiters))
         summary.add_row(*cells, ", ".join(line.tasks) or "-")
@@ -220,6 +224,7 @@ def status(ctx: click.Context, as_json: bool, cap: str | None) -> None:
                     {
                         "cap": line.cap,
                         "limit": line.limit,
+                        "limit_function": line.limit_function,
                         "registered": line.registered,
                         "keyed": line.keyed,
                         "keys": line.keys,

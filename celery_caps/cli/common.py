@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..settings import CapsSettings
     from ..stores.base import Lease, SlotStatus, SlotStore, Waiter
 
+from ..caps import function_name
 from ..stores.base import ParkingStore
 
 _T = TypeVar("_T")
@@ -50,13 +51,17 @@ class CapInfo:
     """A cap as the app's registered tasks declare it."""
 
     name: str
+    #: The fixed limits the tasks declare (tasks may differ; the least is shown).
     limits: tuple[int, ...]
     keyed: bool
     tasks: tuple[str, ...]
+    #: The names of the functions that give each key its limit, if any task declares one.
+    limit_functions: tuple[str, ...] = ()
 
     @property
-    def limit(self) -> int:
-        return min(self.limits)
+    def limit(self) -> int | None:
+        """The cap's limit; None when a function gives each key its own (the store knows it)."""
+        return min(self.limits) if self.limits and not self.limit_functions else None
 
 
 @dataclass
@@ -69,9 +74,10 @@ class Operator:
     caps: dict[str, CapInfo] = field(default_factory=dict)
 
     def limit_of(self, slot: str, stored: int | None) -> int | None:
-        """The registered limit of ``slot``'s cap, else the limit the store last saw."""
+        """The registered limit of ``slot``'s cap, else the limit the store last saw (for a cap
+        whose limit is a function of the key, that key's last admission's)."""
         info = self.caps.get(slot.partition(":")[0])
-        return info.limit if info is not None else stored
+        return info.limit if info is not None and info.limit is not None else stored
 
     def statuses(self) -> list[SlotStatus]:
         return guard(self.store.status)
@@ -90,16 +96,19 @@ def registered_caps(app: Celery) -> dict[str, CapInfo]:
         app.loader.import_default_modules()  # tasks in `include`d modules register now
     except Exception as exc:  # a broken project module must not hide the store's state
         click.echo(f"warning: could not import the app's task modules: {one_line(str(exc))}", err=True)
-    found: dict[str, tuple[set[int], bool, list[str]]] = {}
+    found: dict[str, tuple[set[int], set[str], bool, list[str]]] = {}
     for task_name, task in sorted(app.tasks.items()):
         for cap in getattr(task, "_caps", ()):
-            limits, keyed, tasks = found.setdefault(cap.name, (set(), False, []))
-            limits.add(cap.limit)
+            limits, functions, keyed, tasks = found.setdefault(cap.name, (set(), set(), False, []))
+            if isinstance(cap.limit, int):
+                limits.add(cap.limit)
+            else:
+                functions.add(function_name(cap.limit))
             tasks.append(task_name)
-            found[cap.name] = (limits, keyed or cap.key is not None, tasks)
+            found[cap.name] = (limits, functions, keyed or cap.key is not None, tasks)
     return {
-        name: CapInfo(name, tuple(sorted(limits)), keyed, tuple(tasks))
-        for name, (limits, keyed, tasks) in sorted(found.items())
+        name: CapInfo(name, tuple(sorted(limits)), keyed, tuple(tasks), tuple(sorted(functions)))
+        for name, (limits, functions, keyed, tasks) in sorted(found.items())
     }
 
 

@@ -268,6 +268,16 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
     return app
 
 
+def tier_limit(tenant: str, *args: Any, **kwargs: Any) -> int:
+    """The tier cap's limit of ``tenant``: 3 for a premium tenant, 1 for others; a tenant named
+    ``broken-...`` gets 0 and one named ``raising-...`` an exception (both fail the task)."""
+    if tenant.startswith("raising-"):
+        raise LookupError(f"no plan for tenant {tenant}")
+    if tenant.startswith("broken-"):
+        return 0
+    return 3 if tenant.startswith("premium-") else 1
+
+
 def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str, str]) -> None:
     provider_limit = int(setting(env, "CAPS_FLEET_PROVIDER_LIMIT") or 4)
     tenant_limit = int(setting(env, "CAPS_FLEET_TENANT_LIMIT") or 2)
@@ -282,6 +292,8 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     duo = Cap(f"{caps}duo", 2, key=lambda scope, *_, **__: scope)
     # Hostile-input tests: a cap of 1 per key, with an odd name and whatever key odd_key makes.
     odd = Cap(f"{caps}{ODD_CAP_NAME}", 1, key=odd_key)
+    # Limits per key (test_per_key_limits): the limit a function of the arguments gives the key.
+    tier = Cap(f"{caps}tier", tier_limit, key=lambda tenant, *_, **__: tenant)
 
     def run_body(
         task: Any, counters: Sequence[str], seconds: float, midway: Callable[[], None] | None = None, **extra: Any
@@ -330,6 +342,11 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     def tenant_only(self: Any, tenant: str, ms: int) -> dict[str, Any]:
         """Holds only the tenant's cap."""
         return run_body(self, [f"tenant:{tenant}"], ms / 1000)
+
+    @app.task(name="fleet.tiered", cap=[provider, tier], **task_options)
+    def tiered(self: Any, tenant: str, ms: int) -> dict[str, Any]:
+        """Holds the provider cap and its tenant's tier cap (tier_limit gives the tenant's limit)."""
+        return run_body(self, ["provider", f"tier:{tenant}"], ms / 1000)
 
     @app.task(name="fleet.hold", cap=one, **task_options)
     def hold(self: Any, scope: str, *seconds_by_run: float, **kwargs: Any) -> dict[str, Any]:

@@ -391,3 +391,63 @@ def test_a_bad_operator_setting_is_named(name: str, value: object) -> None:
 
     with pytest.raises(ConfigurationError, match=name):
         CapsSettings.from_conf({name: value})
+
+
+# -- limits per key ---------------------------------------------------------------------
+
+
+def plan_limit(tenant: str, *args: Any, **kwargs: Any) -> int:
+    return 10 if tenant.startswith("premium-") else 1
+
+
+def test_a_limit_function_gives_each_key_its_own_limit() -> None:
+    caps = [Cap("provider", 25), Cap("tenant", plan_limit, key=tenant_key)]
+
+    assert slots_for(caps, ("premium-acme",), {}) == {"provider": 25, "tenant:premium-acme": 10}
+    assert slots_for(caps, ("globex",), {"path": "/data"}) == {"provider": 25, "tenant:globex": 1}
+
+
+def test_the_limit_function_gets_the_tasks_own_arguments() -> None:
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def limit(*args: Any, **kwargs: Any) -> int:
+        calls.append((args, kwargs))
+        return 4
+
+    assert Cap("imports", limit, key=tenant_key).limit_for(("acme", "/data/file.csv"), {"force": True}) == 4
+    assert calls == [(("acme", "/data/file.csv"), {"force": True})]
+
+
+def test_a_limit_function_without_a_key_is_refused_and_named() -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        Cap("imports", plan_limit)
+
+    assert "'imports'" in str(raised.value) and "plan_limit" in str(raised.value) and "key" in str(raised.value)
+
+
+def test_a_limit_function_that_raises_becomes_a_cap_key_error() -> None:
+    def unknown_plan(tenant: str) -> int:
+        raise LookupError("x" * 10_000)
+
+    with pytest.raises(CapKeyError) as raised:
+        slots_for([Cap("imports", unknown_plan, key=tenant_key)], ("acme",), {})
+
+    message = str(raised.value)
+    assert "'imports'" in message and "unknown_plan" in message and "raised LookupError: xxx" in message
+    assert len(message) < 400
+    assert isinstance(raised.value.__cause__, LookupError)
+
+
+@pytest.mark.parametrize(
+    ("limit", "expected"),
+    [(0, "int 0"), (-2, "int -2"), (2.5, "float 2.5"), ("3", "str '3'"), (True, "bool True"), (None, "NoneType None")],
+    ids=repr,
+)
+def test_a_limit_function_returning_no_positive_int_is_refused_and_named(limit: object, expected: str) -> None:
+    cap = Cap("imports", lambda tenant: limit, key=tenant_key)
+
+    with pytest.raises(CapKeyError) as raised:
+        cap.limit_for(("acme",), {})
+
+    message = str(raised.value)
+    assert "'imports'" in message and "must return a positive integer" in message and f"got {expected}" in message

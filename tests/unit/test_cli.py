@@ -178,6 +178,7 @@ def test_status_lists_every_cap_and_slot_with_limits_holders_expired_and_keys(
     assert caps_seen[f"{prefix}tenant"] == {
         "cap": f"{prefix}tenant",
         "limit": 1,
+        "limit_function": None,
         "registered": True,
         "keyed": True,
         "keys": 2,
@@ -213,6 +214,34 @@ def test_status_of_an_app_whose_caps_were_never_used(app: Celery, prefix: str) -
         (f"{prefix}provider", 2, 0),
         (f"{prefix}tenant", 1, 0),
     ]
+
+
+def plan_limit(tenant: str, *args: Any) -> int:
+    return 3 if tenant.startswith("premium-") else 1
+
+
+def test_status_of_a_cap_whose_limit_is_a_function_of_the_key(store: SlotStore, prefix: str) -> None:
+    app = Celery(f"{prefix}proj", broker="memory://", set_as_current=False)
+    app.conf.caps_url = store
+
+    @app.task(base=CappedTask, cap=Cap(f"{prefix}plan", plan_limit, key=lambda tenant: tenant), shared=False)
+    def sync(tenant: str) -> None: ...
+
+    app.finalize()
+    # Given two keys admitted under the limits the function gave them
+    take(store, {f"{prefix}plan:premium-a": 3}, "t1", name="sync", holder="w1@host-a/1")
+    take(store, {f"{prefix}plan:b": 1}, "t2", name="sync", holder="w1@host-a/2")
+
+    # Then status names the function for the cap and shows each slot's own limit, from the store
+    report = json.loads(run(app, "status", "--json").output)
+    [line] = [line for line in report["caps"] if line["cap"] == f"{prefix}plan"]
+    assert (line["limit"], line["limit_function"], line["keys"], line["holders"]) == (None, "plan_limit", 2, 2)
+    limits = {line["slot"]: line["limit"] for line in report["slots"] if line["cap"] == f"{prefix}plan"}
+    assert limits == {f"{prefix}plan:premium-a": 3, f"{prefix}plan:b": 1}
+    table = run(app, "status", "--cap", f"{prefix}plan").output
+    assert "per key" in table and "(full)" in table  # b holds 1 of 1; premium-a 1 of 3 is not full
+    assert table.count("(full)") == 1
+    app.close()
 
 
 # -- holders ---------------------------------------------------------------------------
