@@ -285,6 +285,12 @@ class StoreCheck(threading.Thread):
             logger.error("celery-caps: %s", warning)
 
 
+#: Seconds a stopping worker waits for its threads to end: long enough for a store call under
+#: way (a connection timeout, when the store is away), short enough that a stuck call cannot
+#: hold up the shutdown.
+THREAD_JOIN_SECONDS = 10.0
+
+
 class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Refuses to start a worker whose app has capped tasks but no usable caps settings, or
     tasks given ``cap=`` without ``base=CappedTask``, or a store on a Redis that may evict its
@@ -382,16 +388,23 @@ class CapsWorkerStep(bootsteps.StartStopStep):  # type: ignore[misc]
         )
 
     def stop(self, worker: Any) -> None:
-        if self._store_check is not None:
-            self._store_check.stop()
-            self._store_check = None
-        if self._recovery is not None:
-            self._recovery.stop()
-            self._recovery = None
+        """Stop this step's threads and wait for them to end (a store call under way ends first)."""
+        threads = [thread for thread in (self._store_check, self._recovery) if thread is not None]
+        for thread in threads:
+            thread.stop()
+        for thread in threads:
+            thread.join(THREAD_JOIN_SECONDS)
+        self._store_check = self._recovery = None
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
             self._metrics_server = None
+
+    def terminate(self, worker: Any) -> None:
+        # A cold shutdown terminates the steps instead of stopping them, and Celery's embedded
+        # worker (start_worker, the celery_worker fixture) always ends with one.
+        # StartStopStep.terminate stops only a step's ``obj``, which this step has none of.
+        self.stop(worker)
 
 
 def _refuse_evicting_server(store: Any) -> None:
