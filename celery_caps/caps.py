@@ -95,15 +95,7 @@ class Cap:
         """
         if self.key is None:
             return self.name
-        try:
-            key = self.key(*args, **kwargs)
-        except Exception as exc:
-            # The key function's own message may be anything, 10 MB included: the error is
-            # stored in the result backend and logged, so quote only its beginning.
-            raise CapKeyError(
-                f"Cap {self.name!r}: key function {function_name(self.key)} raised {type(exc).__name__}: "
-                f"{_shorten(str(exc), _MAX_QUOTED_ERROR_LENGTH)}"
-            ) from exc
+        key = self._call("key", self.key, args, kwargs)
         return f"{self.name}:{validate_key(self.name, key)}"
 
     def limit_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
@@ -114,19 +106,25 @@ class Cap:
         """
         if not callable(self.limit):
             return self.limit
-        try:
-            limit = self.limit(*args, **kwargs)
-        except Exception as exc:
-            raise CapKeyError(
-                f"Cap {self.name!r}: limit function {function_name(self.limit)} raised {type(exc).__name__}: "
-                f"{_shorten(str(exc), _MAX_QUOTED_ERROR_LENGTH)}"
-            ) from exc
+        limit = self._call("limit", self.limit, args, kwargs)
         if not _positive_int(limit):
             raise CapKeyError(
                 f"Cap {self.name!r}: limit function {function_name(self.limit)} must return a positive integer, "
                 f"got {type(limit).__name__} {_describe(limit)}"
             )
-        return limit
+        return limit  # type: ignore[no-any-return]
+
+    def _call(self, role: str, function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+        """``function(*args, **kwargs)``; what it raises becomes a :class:`CapKeyError` naming it."""
+        try:
+            return function(*args, **kwargs)
+        except Exception as exc:
+            # The function's own message may be anything, 10 MB included: the error is stored
+            # in the result backend and logged, so quote only its beginning.
+            raise CapKeyError(
+                f"Cap {self.name!r}: {role} function {function_name(function)} raised {type(exc).__name__}: "
+                f"{_shorten(str(exc), _MAX_QUOTED_ERROR_LENGTH)}"
+            ) from exc
 
 
 def _positive_int(value: object) -> bool:
