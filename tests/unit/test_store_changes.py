@@ -109,6 +109,30 @@ def test_after_a_raise_a_release_hands_out_every_place_the_new_limit_has(store: 
     assert listed(store, slot)[-1] == (f"{prefix}old2", False)
 
 
+def test_keys_of_one_cap_keep_the_limits_their_function_gave_them(store: SlotStore, prefix: str) -> None:
+    # Given: a cap whose limit is a function of the key (Cap(limit=plan, key=...)): a premium
+    # key at 3 and a basic key at 1, each full, and a task waiting for each
+    store = parking_store(store)
+    premium, basic = f"{prefix}tier:premium", f"{prefix}tier:basic"
+    premium_runs = [admit(store, {premium: 3}, f"{prefix}p{i}") for i in range(3)]
+    basic_run = admit(store, {basic: 1}, f"{prefix}b0")
+    assert store.acquire({basic: 1}, f"{prefix}b1", new_run_id(), HOLDER, LONG_LEASE).granted is False
+    assert park(store, {premium: 3}, f"{prefix}p3", 1.0) == ParkOutcome.PARKED
+    assert park(store, {basic: 1}, f"{prefix}b1", 2.0) == ParkOutcome.PARKED
+    # Then: each key's sentinel keeps its own limit
+    limits = {status.slot: status.limit for status in store.status() if status.slot.startswith(f"{prefix}tier:")}
+    assert limits == {premium: 3, basic: 1}
+    # When: a premium run ends, its place goes to the premium waiter only
+    _, woken = store.release_and_wake(premium_runs[0], DISPATCH_LEASE)
+    assert [w.task_id for w in woken] == [f"{prefix}p3"]
+    assert len(live_holders(store, premium)) == 3 and live_holders(store, basic) == {f"{prefix}b0"}
+    # ... and the basic key hands over at its own limit of 1
+    _, woken = store.release_and_wake(basic_run, DISPATCH_LEASE)
+    assert [w.task_id for w in woken] == [f"{prefix}b1"]
+    assert live_holders(store, basic) == {f"{prefix}b1"}
+    assert store.recover(DISPATCH_LEASE, caps=[f"{prefix}tier"]) == []
+
+
 def test_a_stale_copy_redelivered_after_another_dispatch_ran_ends(store: SlotStore, prefix: str) -> None:
     # Given: a woken copy D1 sits in a worker's prefetch buffer past its deadline; recovery
     # dispatches D2, which another worker claims and runs
