@@ -14,7 +14,8 @@ channel): publish time (a message header that put-back copies keep), start and
 end (``time.time()``, one machine), deferrals.  The record is pushed once the run has
 ended (``task_postrun``, after ``CappedTask`` released the slot), so that the benchmark's
 own bookkeeping does not lengthen the slot's occupancy or the hand-over it measures.
-Workers count every message they publish (the put-back copies) with ``before_task_publish``.
+Workers count every message they publish (the put-back and woken copies) with
+``before_task_publish``, pushed after the run that published them, as its record.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ ENV: dict[str, str] = {
     "CAPS_BENCH_PREFETCH": "4",
     "CAPS_BENCH_EXTRA_CONF": "",  # "name=value;name=value" (numbers or strings), e.g. a strategy's settings
     "CAPS_BENCH_MEMORY_PROBE": "",  # a directory: pool processes report their memory there on SIGUSR2
+    "CAPS_BENCH_STEPS": "",  # "1": time each step of every hand-over (benchmarks/handover.py)
 }
 
 #: The message header that carries the publish time (seconds since the epoch).
@@ -63,6 +65,7 @@ def side_keys(prefix: str) -> dict[str, str]:
         "publishes": f"{prefix}side:publishes",
         "library": f"{prefix}side:library",
         "done": f"{prefix}side:done",
+        "steps": f"{prefix}side:steps",
     }
 
 
@@ -200,11 +203,24 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
         # Which celery_caps the workers run (the benchmark checks it is the one it measures).
         side.client.set(keys["library"], str(Path(celery_caps.__file__).resolve()))
 
+        # Publishes counted, per routing key, not yet pushed (see count_publish).
+        published: dict[str, int] = {}
+
+        def push_publishes() -> None:
+            counts = dict(published)
+            published.clear()
+            if counts:
+                pipe = side.client.pipeline(transaction=False)
+                for routing_key, count in counts.items():
+                    pipe.hincrby(keys["publishes"], routing_key, count)
+                pipe.execute()
+
         @signals.task_postrun.connect(weak=False)
         def push_record(task_id: str | None = None, **_: Any) -> None:
             line = pending.pop(task_id or "", None)
             if line is not None:
                 side.client.rpush(keys["runs"], line)
+            push_publishes()
 
         probe_directory = setting(env, "CAPS_BENCH_MEMORY_PROBE")
         if probe_directory:
@@ -215,10 +231,19 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
 
                 install(probe_directory)
 
+        if setting(env, "CAPS_BENCH_STEPS") == "1":
+            from .steps import install_step_probe
+
+            install_step_probe(lambda: side.client, keys["steps"])
+
         @signals.before_task_publish.connect(weak=False)
         def count_publish(sender: Any = None, routing_key: Any = None, **_: Any) -> None:
-            # In a worker, every publish is a put-back copy.
-            side.client.hincrby(keys["publishes"], str(routing_key), 1)
+            # In a worker, every publish is a put-back or a woken copy.  One published by a run
+            # (its put-back, or the wake of its release) is pushed after the run, as its record:
+            # a round trip to the side channel here would lengthen the hand-over measured.
+            published[str(routing_key)] = published.get(str(routing_key), 0) + 1
+            if app.current_worker_task is None:  # the main process's (recovery's)
+                push_publishes()
 
 
 app = make_app(os.environ)

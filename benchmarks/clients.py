@@ -161,9 +161,10 @@ def store_targets(
     names: list[str], run_prefix: str, tmp_dir: Path, *, growth: bool = False
 ) -> tuple[list[StoreTarget], list[str]]:
     """The stores to benchmark among ``names``, and a note for each one left out.  ``growth``:
-    variants ``waiters`` and ``keys`` in databases of their own, named after ``run_prefix``."""
+    variants ``waiters``, ``keys`` and ``waiting_keys`` in databases of their own, named after
+    ``run_prefix``."""
     targets, skipped = [], []
-    variants = ("waiters", "keys") if growth else ("main", "keys")
+    variants = ("waiters", "keys", "waiting_keys") if growth else ("main", "keys")
     for name in names:
         if name == "sqlite":
             urls = {variant: f"sqlite:///{tmp_dir / f'{run_prefix}-{variant}.db'}" for variant in variants}

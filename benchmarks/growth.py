@@ -14,7 +14,10 @@ For each store (SQLite, PostgreSQL, MariaDB, Redis), one client, medians:
   runs over and over, next to the same client's longest with no beat (same duration); at the
   largest, ``status()`` (``celery caps status``) idle and while clients acquire and release on
   keys of their own;
-* 1, 2, 4 and 8 clients on distinct keys at 100,000 slot names: acquire+release pairs per second.
+* 1, 2, 4 and 8 clients on distinct keys at 100,000 slot names: acquire+release pairs per second;
+* 10 and 10,000 keys of one cap that wait (limit 1, each held, one waiter each): the hand-over
+  on one key (release, the key's waiter dispatched, its claim, a new park on that key) and a
+  worker's recovery pass with nothing to dispatch.
 
 Ratios are against the smallest size measured in the same run.  The lists and key sets are
 filled in bulk with the store's own rows (SQL) or through the store (Redis).  SQL stores get
@@ -28,7 +31,7 @@ import logging
 import multiprocessing
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -44,6 +47,9 @@ from .common import Figure, Options, Report, at_most, median, ms, percentile, ra
 PART = "growth"
 WAITLIST_SIZES = (100, 10_000, 100_000)
 KEY_SIZES = (10, 10_000, 100_000)
+#: Keys of one cap that have a waiter each (issue 35: a hand-over must not cost more when 10,000
+#: keys wait than when 10 do).
+WAITING_KEY_SIZES = (10, 10_000)
 CLIENTS = (1, 2, 4, 8)
 #: Hand-over cycles run before each list size's measured ones.
 WARM_UP_CYCLES = 5
@@ -89,6 +95,7 @@ def run(report: Report, options: Options) -> None:
             target.prepare()
             measure_waitlist(report, options, target, waitlist_sizes)
             measure_keys(report, options, target, key_sizes)
+            measure_waiting_keys(report, options, target, WAITING_KEY_SIZES)
         except Exception as exc:  # the next store still runs
             report.note(f"growth benchmarks on {target.name} failed: {type(exc).__name__}: {str(exc)[:300]}")
             options.log(f"[growth] {target.name}: FAILED: {type(exc).__name__}: {str(exc)[:300]}")
@@ -106,20 +113,21 @@ def _timed(call: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     return time.perf_counter() - start, result
 
 
-def fill_waitlist(store: SlotStore, slot: str, count: int, first_from: float) -> None:
-    """``count`` waiters of ``slot`` (limit 1), first deferred at ``first_from``, +1, ...: the SQL
-    store's own rows in bulk (and its list count where the schema keeps one), parks on Redis."""
+def fill_waitlist(store: SlotStore, slots: Sequence[str], per_slot: int, first_from: float) -> None:
+    """``per_slot`` waiters of each of ``slots`` (limit 1), first deferred at ``first_from``, +1,
+    ...: the SQL store's own rows in bulk (and its list counts where the schema keeps them), parks
+    on Redis."""
+    waiters = [(slot, f"{slot}-w{i:07d}") for slot in slots for i in range(per_slot)]
     if isinstance(store, SQLStore):
         from celery_caps.stores.sql import schema
 
-        waiters = schema.concurrency_waiters
         exact = store.dialect.exact
         with store.engine.begin() as connection:
             now = connection.execute(sa.text(f"SELECT {store.dialect.now}")).scalar_one()
             rows = [
                 {
                     "slot": exact(slot),
-                    "task_id": exact(f"{slot}-w{i:07d}"),
+                    "task_id": exact(task_id),
                     "slot_count": 1,
                     "first_deferred_at": first_from + i,
                     "parked_at": now,
@@ -127,20 +135,21 @@ def fill_waitlist(store: SlotStore, slot: str, count: int, first_from: float) ->
                     "payload": b"payload",
                     "dispatches": 0,
                 }
-                for i in range(count)
+                for i, (slot, task_id) in enumerate(waiters)
             ]
             for start in range(0, len(rows), 5000):
-                connection.execute(waiters.insert(), rows[start : start + 5000])
+                connection.execute(schema.concurrency_waiters.insert(), rows[start : start + 5000])
             counts = schema.metadata.tables.get("concurrency_waitlists")
             if counts is not None:
-                connection.execute(counts.insert(), [{"slot": exact(slot), "entries": count}])
+                count_rows = [{"slot": exact(slot), "entries": per_slot} for slot in slots]
+                for start in range(0, len(count_rows), 5000):
+                    connection.execute(counts.insert(), count_rows[start : start + 5000])
         return
     assert isinstance(store, ParkingStore)
-    for i in range(count):
+    for i, (slot, task_id) in enumerate(waiters):
         request = ParkRequest(
-            {slot: 1}, f"{slot}-w{i:07d}", uuid.uuid4().hex, "bench", 60.0, first_from + i, 10**9,
-            "bench.waiter", b"payload",
-        )  # fmt: skip
+            {slot: 1}, task_id, uuid.uuid4().hex, "bench", 60.0, first_from + i, 10**9, "bench.waiter", b"payload"
+        )
         store.park(request)
 
 
@@ -162,7 +171,7 @@ def measure_waitlist(report: Report, options: Options, target: StoreTarget, size
             holder = uuid.uuid4().hex
             store.acquire({slot: 1}, f"{slot}-holder", holder, "bench", 600.0)
             options.log(f"[growth] {target.name}: filling a list of {size:,}")
-            fill_waitlist(store, slot, size, 1000.0)
+            fill_waitlist(store, [slot], size, 1000.0)
             target.vacuum_store("waiters")
 
             # A worker's recovery pass with nothing to do (the slot is full), as handover.recover
@@ -468,5 +477,89 @@ def measure_keys(report: Report, options: Options, target: StoreTarget, sizes: t
                 "/s",
                 versus=f"1 client {rates[1]:,.0f}/s",
                 ratio=ratio(rates[clients], rates[1]),
+            )
+        )
+
+
+# -- keys that wait ---------------------------------------------------------------------------------
+
+
+def measure_waiting_keys(report: Report, options: Options, target: StoreTarget, sizes: tuple[int, ...]) -> None:
+    """A hand-over on one key of a cap while ``size`` of its keys wait (each held, limit 1, one
+    waiter each), in a store of its own: the other parts' rows would blur the figure."""
+    samples = 40 if options.quick else 150
+    passes = 15 if options.quick else 40
+    hand_over: dict[int, list[float]] = {}
+    recovery: dict[int, list[float]] = {}
+    store = target.open("waiting_keys")
+    assert isinstance(store, ParkingStore)
+    present = 0
+    cap = f"{target.run_prefix}-wk"
+    try:
+        for size in sizes:
+            options.log(f"[growth] {target.name}: {size:,} keys waiting")
+            names = [f"{cap}:k{i:07d}" for i in range(present, size)]
+            populate_slot_names(target, "waiting_keys", names, 1)
+            fill_waitlist(store, names, 1, 1000.0 + present)
+            present = size
+            target.vacuum_store("waiting_keys")
+            # The key handed over: one in the middle of the set (its holder is populate_slot_names').
+            slot = f"{cap}:k{size // 2:07d}"
+            holder = f"r-{slot}"
+
+            def worker_pass(store: ParkingStore = store) -> None:
+                if store.recover(60.0, caps=[cap], task_names=WORKER_TASK_NAMES, readmit_before=None):
+                    raise RuntimeError("a recovery pass with nothing to do dispatched a waiter")
+
+            worker_pass()  # (a new session's first statements are not counted)
+            recovery[size] = [ms(_timed(worker_pass)[0]) for _ in range(passes)]
+            hand_over[size] = []
+            for i in range(-WARM_UP_CYCLES, samples):
+                start = time.perf_counter()
+                _deleted, woken = store.release_and_wake(holder, 3600.0)
+                [dispatched] = woken
+                if dispatched.task_id.rpartition("-")[0] != slot:
+                    raise RuntimeError(f"the release of {slot} dispatched {dispatched.task_id}")
+                store.claim(dispatched.task_id, dispatched.run_id, "bench", 3600.0)
+                request = ParkRequest(
+                    {slot: 1}, f"{slot}-late{i + WARM_UP_CYCLES:05d}", uuid.uuid4().hex, "bench", 60.0, 1e9 + i,
+                    10**9, "bench.waiter", b"payload",
+                )  # fmt: skip
+                store.park(request)
+                if i >= 0:
+                    hand_over[size].append(ms(time.perf_counter() - start))
+                holder = dispatched.run_id
+            options.log(
+                f"[growth] {target.name}: {size:,} keys waiting: hand-over cycle {median(hand_over[size]):.3f} ms, "
+                f"a worker's recovery pass {median(recovery[size]):.3f} ms"
+            )
+    finally:
+        store.close()
+    smallest, largest = sizes[0], sizes[-1]
+    for size in sizes:
+        last = size == largest and size != smallest
+        growth = ratio(median(hand_over[size]), median(hand_over[smallest]))
+        report.add(
+            Figure(
+                PART,
+                f"{target.name}: hand-over on one key (release, dispatch, claim, park) p50, {size:,} keys waiting",
+                median(hand_over[size]),
+                "ms",
+                versus=f"{smallest:,} keys waiting {median(hand_over[smallest]):.3f} ms",
+                ratio=growth,
+                target="ratio <= 1.3" if last else "",
+                met=at_most(growth, 1.3) if last else None,
+                repeats=hand_over[size],
+            )
+        )
+        report.add(
+            Figure(
+                PART,
+                f"{target.name}: a worker's recovery pass with nothing to dispatch p50, {size:,} keys waiting",
+                median(recovery[size]),
+                "ms",
+                versus=f"{smallest:,} keys waiting {median(recovery[smallest]):.3f} ms",
+                ratio=ratio(median(recovery[size]), median(recovery[smallest])),
+                repeats=recovery[size],
             )
         )

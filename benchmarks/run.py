@@ -55,9 +55,11 @@ PARTS = {
     "growth": "growth",
     "connections": "connections",
     "memory": "memory",
+    "handover": "handover",
+    "fairness": "fairness",
 }
 #: The parts that use the shared benchmark databases (dropped at a run's start and end).
-_SHARED_DATABASE_PARTS = {"store", "overhead", "utilisation", "scaling"}
+_SHARED_DATABASE_PARTS = {"store", "overhead", "utilisation", "scaling", "handover", "fairness"}
 STORES = ("sqlite", "postgresql", "mariadb", "redis")
 
 

@@ -14,10 +14,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .benchapp import ENV
 from .clients import caps_url_for, drop_slots
 from .common import Figure, Options, Report, at_least, median, ratio, reachable, service_url
-from .workers import BenchFleet
+from .workers import BenchFleet, fleet_env
 
 PART = "overhead"
 CONCURRENCY = 2
@@ -45,15 +44,7 @@ def run(report: Report, options: Options) -> None:
             continue
         measure_sending(report, options, broker, caps_url, store)
         prefix = f"{options.run_prefix}o{store[:2]}-"
-        env = dict(ENV)
-        env.update(
-            {
-                "CAPS_BENCH_BROKER": broker,
-                "CAPS_BENCH_SIDE_URL": broker,
-                "CAPS_BENCH_CAPS_URL": caps_url,
-                "CAPS_BENCH_PREFIX": prefix,
-            }
-        )
+        env = fleet_env(broker, caps_url, prefix)
         fleet = BenchFleet(env, Path(options.tmp_dir) / "logs")
         try:
             options.log(f"[overhead] {store}: starting a worker (-c {CONCURRENCY})")

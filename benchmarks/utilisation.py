@@ -35,10 +35,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .benchapp import ENV
 from .clients import caps_url_for, drop_slots, vacuum_database
 from .common import CpuSteal, Figure, Options, Report, at_least, at_most, median, percentile, reachable, service_url
-from .workers import BenchFleet, wait_for
+from .workers import BenchFleet, fleet_env, wait_for
 
 PART = "utilisation"
 GLOBAL_LIMIT = 4
@@ -114,19 +113,9 @@ def run(report: Report, options: Options) -> None:
             if options.utilisation_strategies is not None and strategy not in options.utilisation_strategies:
                 continue
             prefix = f"{options.run_prefix}u{store[:2]}{number}-"
-            env = dict(ENV)
-            env["CAPS_BENCH_PREFETCH"] = str(PREFETCH)
+            # The strategy's settings last: one of them sets its own prefetch.
+            env = fleet_env(broker, caps_url, prefix, PREFETCH=PREFETCH, GLOBAL_LIMIT=GLOBAL_LIMIT, TENANT_LIMIT=1)
             env.update(strategy_env)
-            env.update(
-                {
-                    "CAPS_BENCH_BROKER": broker,
-                    "CAPS_BENCH_SIDE_URL": broker,
-                    "CAPS_BENCH_CAPS_URL": caps_url,
-                    "CAPS_BENCH_PREFIX": prefix,
-                    "CAPS_BENCH_GLOBAL_LIMIT": str(GLOBAL_LIMIT),
-                    "CAPS_BENCH_TENANT_LIMIT": "1",
-                }
-            )
             vacuum_database(caps_url)
             fleet = BenchFleet(env, Path(options.tmp_dir) / "logs")
             workers, concurrency = SMALL_FLEETS.get(strategy, (WORKERS, CONCURRENCY))

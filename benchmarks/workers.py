@@ -25,7 +25,7 @@ from celery.signals import before_task_publish
 
 import celery_caps
 
-from .benchapp import PUBLISHED_HEADER, make_app, side_keys
+from .benchapp import ENV, PUBLISHED_HEADER, make_app, side_keys
 from .common import REPO_ROOT
 
 
@@ -81,6 +81,23 @@ class Drain:
     @property
     def throughput(self) -> float:
         return self.messages / self.seconds if self.seconds > 0 else float("nan")
+
+
+def fleet_env(broker: str, caps_url: str, prefix: str, **settings: object) -> dict[str, str]:
+    """The environment of a benchmark fleet: the app's defaults (:data:`benchapp.ENV`), one Redis
+    as broker and side channel, the store, the key prefix, and ``settings`` by their names
+    without ``CAPS_BENCH_`` (``GLOBAL_LIMIT=4`` sets ``CAPS_BENCH_GLOBAL_LIMIT``)."""
+    env = dict(ENV)
+    env.update(
+        {
+            "CAPS_BENCH_BROKER": broker,
+            "CAPS_BENCH_SIDE_URL": broker,
+            "CAPS_BENCH_CAPS_URL": caps_url,
+            "CAPS_BENCH_PREFIX": prefix,
+        }
+    )
+    env.update({f"CAPS_BENCH_{name}": str(value) for name, value in settings.items()})
+    return env
 
 
 @dataclass
