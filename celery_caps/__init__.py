@@ -13,6 +13,7 @@ from .errors import (
     TaskIdInUse,
     UnpublishableTask,
 )
+from .limits import set_limit
 from .runtime import warm_up
 from .task import CappedTask
 
@@ -33,6 +34,7 @@ __all__ = [
     "StoreInputError",
     "TaskIdInUse",
     "UnpublishableTask",
+    "set_limit",
     "warm_up",
 ]
 __version__ = "0.1.0"

@@ -136,6 +136,14 @@ def function_name(function: Callable[..., Any]) -> str:
     return getattr(function, "__qualname__", None) or repr(function)
 
 
+def operator_limit(slot: str, limits: Mapping[str, int]) -> int | None:
+    """The limit an operator set for ``slot`` (``celery caps limit``): set for the slot itself,
+    else for its cap, else None (the code's limit holds).  ``limits`` maps cap and slot names to
+    limits, as :meth:`SlotStore.limits` returns them."""
+    found = limits.get(slot)
+    return found if found is not None else limits.get(slot.partition(":")[0])
+
+
 def validate_key(cap_name: str, key: object) -> str:
     """Return ``key`` if it is a usable key for cap ``cap_name``; raise :class:`CapKeyError`."""
     if not isinstance(key, str):

@@ -25,8 +25,7 @@ from .messages import (
     REPUBLISHING,
     decode_payload,
     destination_queue,
-    wake_queue,
-    wake_queue_name,
+    wake_route,
 )
 from .settings import CapsSettings
 from .stores.base import OUTSIDE_PAYLOAD, ParkingStore, SlotStore, Woken
@@ -104,12 +103,7 @@ def publish_woken(runtime: CapsContext, woken: Sequence[Woken], *, stop_at_broke
                 headers = {**(signature.options.get("headers") or {}), DISPATCH_HEADER: waiter.run_id}
                 queue = destination_queue(app, signature)
                 if queue is not None:
-                    # The wake queue's own exchange and routing key, named: the delivery's, which a
-                    # parked signature carries, and a route of task_routes, which Celery's router
-                    # merges in, would send it past its wake queue (and Celery drops options
-                    # given as None).
-                    wake = wake_queue(wake_queue_name(queue))
-                    signature.options.update(queue=wake, exchange=wake.exchange.name, routing_key=wake.routing_key)
+                    signature.options.update(wake_route(queue))
                 signature.apply_async(headers=headers, add_to_parent=False)
                 published.append(waiter)
             except _BROKER_ERRORS as broker_error:

@@ -156,6 +156,21 @@ def wake_queue(name: str) -> Queue:
     return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
 
 
+def wake_route(queue: str) -> dict[str, Any]:
+    """The options that send a woken copy of a task of ``queue`` to its wake queue.
+
+    Straight to the wake queue by name, through the broker's default exchange (as Celery sends
+    to a queue of a direct exchange): one command on Redis, where the wake queue's own exchange
+    costs a lookup of its bindings first.  All three named: the delivery's exchange and routing
+    key, which a parked signature carries, and a route of task_routes, which Celery's router
+    merges in, would send it past its wake queue (Celery drops options given as None; the empty
+    name is the default exchange's).  The queue is declared before the publish, as Celery
+    declares the queue it sends to.
+    """
+    wake = wake_queue(wake_queue_name(queue))
+    return {"queue": wake, "exchange": "", "routing_key": wake.name}
+
+
 def _declared_queue(app: Celery, options: Mapping[str, Any]) -> str | None:
     """The queue a message's options name, or reach through a declared binding (None: they do not say)."""
     queue = options.get("queue")

@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 
 from .errors import ConfigurationError, MissingDependencyError, StoreError
 from .health import describe
-from .stores.base import ParkingStore, SlotStatus, SlotStore
+from .stores.base import ParkingStore, SlotStatus, SlotStore, with_operator_limits
 
 logger = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ class FleetCollector:
             now = time.monotonic()
             if self._cached is None or now - self._cached[0] > STATUS_CACHE_SECONDS:
                 store = self._store()
-                statuses, waiting = store.status(), _waiting_per_cap(store)
+                statuses, waiting = with_operator_limits(store.status(), store.limits()), _waiting_per_cap(store)
                 if self._caps is not None:
                     own = set(self._caps())
                     statuses = [status for status in statuses if cap_of(status.slot) in own]

@@ -47,7 +47,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 from urllib.parse import unquote, urlsplit
 
 import pytest
@@ -55,6 +55,9 @@ import sqlalchemy as sa
 
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import SlotStatus, SlotStore, mask_url
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 #: Set to ``1`` (CI) to fail, rather than skip, a test whose service is missing.
 REQUIRE_SERVICES_VARIABLE = "CAPS_REQUIRE_SERVICES"
@@ -323,6 +326,10 @@ def delete_own_rows(target: StoreTarget, store: SlotStore, prefix: str) -> None:
                 connection.execute(
                     sa.text("DELETE FROM concurrency_waitlists WHERE slot LIKE :pattern"), {"pattern": f"{prefix}%"}
                 )
+            if sa.inspect(connection).has_table("concurrency_limits"):
+                connection.execute(
+                    sa.text("DELETE FROM concurrency_limits WHERE name LIKE :pattern"), {"pattern": f"{prefix}%"}
+                )
 
 
 def own_status(store: SlotStore, prefix: str) -> dict[str, SlotStatus]:
@@ -331,3 +338,35 @@ def own_status(store: SlotStore, prefix: str) -> dict[str, SlotStatus]:
     by_slot = {status.slot: status for status in statuses}
     assert len(by_slot) == len(statuses), f"status lists a slot twice: {statuses}"
     return by_slot
+
+
+def close_client_app(app: Celery) -> None:
+    """Close a test's client app and every socket it holds.
+
+    ``app.close()`` closes nothing (Celery 5.5+ only drops its broker connection pool), and
+    the Redis result backend keeps a pool of its own (``backend.client.close()`` leaves the
+    pool's connections open) and a pub/sub connection its result consumer opened at the first
+    send.  Left to the garbage collector, a connection in a reference cycle may have its
+    socket finalised before itself: the socket's ``ResourceWarning`` then fails whichever test
+    runs at that moment (a CI run: a fleet test, after test_crash's fleets).
+    """
+    import kombu.pools
+
+    broker = app.connection_for_write()
+    if broker.transport_cls.startswith("redis"):
+        # kombu keeps one connection pool per broker URL and transport options for all the
+        # apps of a process.  A Redis test app's options name its own key prefix: that pool
+        # is this app's alone (the AMQP fleets share theirs, left open).
+        app.pool.force_close_all()  # the broker connections, the producers' among them
+        del kombu.pools.connections[broker]
+    backend = app.backend  # (cheap if the app never made it: no backend connects when made)
+    # Both are cached properties of Celery's Redis backend: read only if made.
+    consumer = backend.__dict__.get("result_consumer")
+    pubsub = getattr(consumer, "_pubsub", None)
+    if pubsub is not None:
+        pubsub.close()
+    client = backend.__dict__.get("client")
+    if client is not None:
+        client.connection_pool.disconnect()
+        client.close()
+    app.close()

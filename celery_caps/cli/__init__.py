@@ -124,6 +124,12 @@ class CapSummary:
     waiters: int = 0
     #: The function(s) that give each key its limit (then ``limit`` is None), comma-separated.
     limit_function: str | None = None
+    #: Where ``limit`` comes from: ``"operator"`` (``celery caps limit``), ``"code"`` or ``"store"``.
+    limit_source: str = "code"
+    #: The limit in code (the least the tasks declare); None for a limit function or an unknown cap.
+    code_limit: int | None = None
+    #: The keys given a limit of their own by an operator.
+    keys_set: int = 0
 
 
 def summarize(
@@ -139,10 +145,22 @@ def summarize(
         slots = by_cap.get(cap, [])
         info = operator.caps.get(cap)
         stored_limits = [status.limit for status in slots if status.limit is not None]
+        code_limit = info.limit if info is not None else None
+        set_by_operator = operator.operator_limits().get(cap)
+        limit: int | None
+        if set_by_operator is not None:
+            limit, source = set_by_operator, "operator"
+        elif info is not None:
+            limit, source = code_limit, "code"
+        else:
+            limit, source = (max(stored_limits) if stored_limits else None), "store"
         summaries.append(
             CapSummary(
                 cap=cap,
-                limit=info.limit if info is not None else (max(stored_limits) if stored_limits else None),
+                limit=limit,
+                limit_source=source,
+                code_limit=code_limit,
+                keys_set=sum(1 for name in operator.operator_limits() if name.startswith(cap + ":")),
                 registered=info is not None,
                 keyed=info.keyed if info is not None else any(":" in status.slot for status in slots),
                 keys=sum(1 for status in slots if ":" in status.slot),
@@ -159,6 +177,18 @@ def summarize(
 def _shows_waiting(operator: Operator, waiting: Mapping[str, SlotWaiting]) -> bool:
     """Whether the tables show the waiting list: a store that parks, and park in use or waiters."""
     return isinstance(operator.store, ParkingStore) and (operator.settings.parking.uses_park or bool(waiting))
+
+
+def _limit_cell(line: CapSummary) -> str | Any:
+    """A cap's limit as the status table shows it: where an operator set it, marked so, with the
+    code's beside it."""
+    from rich.text import Text
+
+    code = str(line.code_limit) if line.code_limit is not None else "per key" if line.limit_function else "?"
+    if line.limit_source == "operator":
+        return Text.assemble((str(line.limit), "bold yellow"), f" (set; code {code})")
+    cell = code if line.limit_source == "code" else str(line.limit) if line.limit is not None else "?"
+    return cell + (f" ({line.keys_set} key(s) set)" if line.keys_set else "")
 
 
 def _status_tables(
@@ -183,7 +213,7 @@ def _status_tables(
         if line.keys > threshold:
             keys = Text.assemble((str(line.keys), "bold red"), f" (> {threshold})")
         name = line.cap if line.registered else Text.assemble(line.cap, (" (not registered)", "dim"))
-        limit_cell = str(line.limit) if line.limit is not None else "per key" if line.limit_function else "?"
+        limit_cell = _limit_cell(line)
         cells = [name, limit_cell, keys, str(line.holders), str(line.expired)]
         if show_waiting:
             cells.append(str(line.waiters))
@@ -199,7 +229,10 @@ def _status_tables(
         holders: str | Text = str(status.holders)
         if limit is not None and status.holders >= limit:
             holders = Text.assemble((str(status.holders), "bold"), " (full)")
-        cells = [status.slot, str(limit) if limit is not None else "?", holders, str(status.expired)]
+        limit_text = str(limit) if limit is not None else "?"
+        if operator.limit_source(status.slot) == "operator":
+            limit_text += " (set)"
+        cells = [status.slot, limit_text, holders, str(status.expired)]
         if show_waiting:
             slot_waiting = waiting.get(status.slot)
             cells += [str(slot_waiting.waiters), duration(slot_waiting.oldest_seconds)] if slot_waiting else ["0", "-"]
@@ -225,6 +258,9 @@ def status(ctx: click.Context, as_json: bool, cap: str | None) -> None:
                         "cap": line.cap,
                         "limit": line.limit,
                         "limit_function": line.limit_function,
+                        "limit_source": line.limit_source,
+                        "code_limit": line.code_limit,
+                        "keys_with_limits_set": line.keys_set,
                         "registered": line.registered,
                         "keyed": line.keyed,
                         "keys": line.keys,
@@ -241,6 +277,7 @@ def status(ctx: click.Context, as_json: bool, cap: str | None) -> None:
                         "slot": status.slot,
                         "cap": status.slot.partition(":")[0],
                         "limit": operator.limit_of(status.slot, status.limit),
+                        "limit_source": operator.limit_source(status.slot),
                         "holders": status.holders,
                         "expired": status.expired,
                         "waiters": waiting[status.slot].waiters if status.slot in waiting else 0,
@@ -565,6 +602,77 @@ def redispatch(ctx: click.Context, name: str) -> None:
     click.echo(f"dispatched {len(sent)} waiting task(s) of {name}")
     for waiter in sent:
         click.echo(f"  {waiter.task_id} {waiter.task_name or '?'}")
+
+
+# -- limit -------------------------------------------------------------------------
+
+
+@caps.command()
+@click.argument("name")
+@click.argument("new_limit", metavar="[N]", required=False, type=click.IntRange(min=1))
+@click.option("--reset", is_flag=True, help="Return NAME to the limit in code.")
+@click.pass_context
+def limit(ctx: click.Context, name: str, new_limit: int | None, reset: bool) -> None:
+    """Set the limit of NAME (a cap, for all its keys, or one key: cap:key) to N on every worker at
+    once, kept in the store until changed again; --reset returns it to the code's.  A raise
+    dispatches the waiters it has room for at once; after a cut no one is admitted above N
+    while running tasks finish.  Without N: the limit now, where it comes from, and its changes."""
+    from ..limits import change_limit, check_name
+
+    if reset and new_limit is not None:
+        raise click.UsageError("give N or --reset, not both")
+    operator = operator_for(ctx)
+    guard(lambda: check_name(name, operator.caps))
+    if new_limit is None and not reset:
+        _show_limit(operator, name)
+        return
+    user = _operator_name()
+    change = guard(lambda: change_limit(operator, name, new_limit, operator.caps, by=user))
+    was = f"{change.previous} (set)" if change.previous is not None else "the code's"
+    now = f"{change.limit}" if change.limit is not None else "the code's"
+    click.echo(f"{name}: limit {now}, was {was}; every worker counts against it from now on")
+    if change.woken:
+        click.echo(f"dispatched {len(change.woken)} waiting task(s) into the room it leaves")
+    for problem in change.problems:
+        click.echo(f"warning: {one_line(problem)}", err=True)
+
+
+def _operator_name() -> str:
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment (a container without one)
+        user = "?"
+    return f"caps limit by {user}@{socket.gethostname()}"
+
+
+def _show_limit(operator: Operator, name: str) -> None:
+    cap = name.partition(":")[0]
+    set_by_operator = operator.operator_limits().get(name)
+    info = operator.caps[cap]
+    code = str(info.limit) if info.limit is not None else f"per key ({', '.join(info.limit_functions)})"
+    if set_by_operator is not None:
+        click.echo(f"{name}: limit {set_by_operator}, set by an operator (code: {code})")
+    elif name != cap and operator.operator_limits().get(cap) is not None:
+        click.echo(f"{name}: limit {operator.operator_limits()[cap]}, set by an operator for {cap} (code: {code})")
+    else:
+        click.echo(f"{name}: limit {code}, from code")
+    keys = sorted(key for key in operator.operator_limits() if name == cap and key.startswith(cap + ":"))
+    for key in keys:
+        click.echo(f"  {key}: {operator.operator_limits()[key]}, set by an operator")
+    events = [
+        event
+        for event in guard(lambda: operator.store.history(0.0))
+        if event.kind == "limit" and any(slot == name or slot.startswith(name + ":") for slot in event.slots)
+    ]
+    if events:
+        click.echo("changes:")
+    for event in events[-20:]:
+        value = str(event.limit) if event.limit is not None else "reset to the code's"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event.at))
+        click.echo(f"  {when}  {', '.join(event.slots)} -> {value}  ({event.holder})")
 
 
 # -- watch -------------------------------------------------------------------------

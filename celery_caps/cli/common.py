@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..settings import CapsSettings
     from ..stores.base import Lease, SlotStatus, SlotStore, Waiter
 
-from ..caps import function_name
+from ..caps import function_name, operator_limit
 from ..stores.base import ParkingStore
 
 _T = TypeVar("_T")
@@ -73,11 +73,34 @@ class Operator:
     store: SlotStore
     caps: dict[str, CapInfo] = field(default_factory=dict)
 
+    #: The limits operators set (``celery caps limit``), by cap or slot name: read once, by
+    #: :meth:`operator_limits`.
+    _operator_limits: dict[str, int] | None = None
+
+    def operator_limits(self) -> dict[str, int]:
+        if self._operator_limits is None:
+            store = self.store
+            self._operator_limits = guard(store.limits)
+        return self._operator_limits
+
     def limit_of(self, slot: str, stored: int | None) -> int | None:
-        """The registered limit of ``slot``'s cap, else the limit the store last saw (for a cap
-        whose limit is a function of the key, that key's last admission's)."""
+        """The limit ``slot``'s room is counted against: an operator's (see :meth:`limit_source`),
+        else the registered limit of its cap, else the limit the store last saw (for a cap whose
+        limit is a function of the key, that key's last admission's)."""
+        set_by_operator = operator_limit(slot, self.operator_limits())
+        if set_by_operator is not None:
+            return set_by_operator
         info = self.caps.get(slot.partition(":")[0])
         return info.limit if info is not None and info.limit is not None else stored
+
+    def limit_source(self, slot: str) -> str:
+        """Where :meth:`limit_of` took ``slot``'s limit from: ``"operator"`` (``celery caps
+        limit``), ``"code"`` (a cap of the app's tasks: their limit, or their limit function's for the
+        key, as its last admission gave it) or ``"store"`` (a cap the app does not declare: the
+        limit its last admission gave)."""
+        if operator_limit(slot, self.operator_limits()) is not None:
+            return "operator"
+        return "code" if slot.partition(":")[0] in self.caps else "store"
 
     def statuses(self) -> list[SlotStatus]:
         return guard(self.store.status)

@@ -117,6 +117,7 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
             {
                 "slot": slot,
                 "limit": limit,
+                "limit_source": operator.limit_source(slot),
                 "holders": holders,
                 "full": limit is not None
                 and holders >= limit
@@ -242,7 +243,8 @@ def print_explanation(report: Mapping[str, Any]) -> None:
         for slot in report["slots"]:
             limit = slot["limit"] if slot["limit"] is not None else "?"
             flag = (" FULL", "bold red") if slot["full"] else ""
-            console.print(Text.assemble(f"    {slot['slot']}: {slot['holders']}/{limit} held", flag))
+            source = " (limit set by an operator)" if slot["limit_source"] == "operator" else ""
+            console.print(Text.assemble(f"    {slot['slot']}: {slot['holders']}/{limit} held{source}", flag))
             for lease in slot["held_by"]:
                 console.print(
                     f"      {lease['task_id']} {lease['task_name'] or '?'} on {lease['worker']}/{lease['pid']}, "

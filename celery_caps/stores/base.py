@@ -120,14 +120,16 @@ deployment, so that a task is only published through its own deployment's broker
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import functools
 import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, quote_plus, unquote_plus, urlsplit, urlunsplit
 
+from ..caps import operator_limit
 from ..errors import StoreError, StoreInputError
 from . import checks
 
@@ -171,6 +173,14 @@ class SlotStatus:
     expired: int
 
 
+def with_operator_limits(statuses: Iterable[SlotStatus], limits: Mapping[str, int]) -> list[SlotStatus]:
+    """``statuses`` with each slot's limit the one its room is counted against: the operator's
+    (``limits``, as :meth:`SlotStore.limits` returns them) where set, else the sentinel's."""
+    return [
+        dataclasses.replace(status, limit=operator_limit(status.slot, limits) or status.limit) for status in statuses
+    ]
+
+
 @dataclass(frozen=True)
 class HistoryEvent:
     """One record of the optional history: a put-back or a finished run.
@@ -178,7 +188,8 @@ class HistoryEvent:
     Times are epoch seconds by the clock of the process that recorded the event.
     """
 
-    #: ``"deferred"`` (slots were full, the task was put back) or ``"ran"`` (a run ended).
+    #: ``"deferred"`` (slots were full, the task was put back), ``"ran"`` (a run ended) or
+    #: ``"limit"`` (an operator set or reset a limit; ``task_id`` is empty).
     kind: str
     #: When it happened: the put-back, or the end of the run.
     at: float
@@ -194,6 +205,8 @@ class HistoryEvent:
     started_at: float | None = None
     #: How many times the task had been put back before this event.
     deferrals: int = 0
+    #: ``limit``: the limit an operator set for the cap or slot in ``slots`` (None: reset to the code's).
+    limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -415,6 +428,12 @@ def _check_claim(task_id: str, run_id: str, holder: str, lease_seconds: float, *
     checks.admission({}, task_id, run_id, holder, lease_seconds)
 
 
+def _check_set_limit(name: str, limit: int | None) -> None:
+    checks.slot("name", name)
+    if limit is not None:
+        checks.count("limit", limit)
+
+
 def _check_readmit(slot: str, dispatch_lease_seconds: float) -> None:
     checks.slot("slot", slot)
     checks.seconds("dispatch_lease_seconds", dispatch_lease_seconds)
@@ -434,6 +453,8 @@ _CHECKS: dict[str, Callable[..., None]] = {
     "prune": _check_prune,
     "record_history": _check_record_history,
     "history": _check_history,
+    "set_limit": _check_set_limit,
+    "limits": _no_check,
     "park": _check_park,
     "release_and_wake": _check_run_and_wake,
     "release_holder_and_wake": _check_holder_and_wake,
@@ -597,6 +618,21 @@ class SlotStore(abc.ABC):
         ``dry_run`` nothing is deleted.  Returns the slot names pruned (or that
         would be), sorted.
         """
+
+    @abc.abstractmethod
+    def set_limit(self, name: str, limit: int | None) -> int | None:
+        """Set the operator's limit of ``name`` (a cap, for all its slots, or one slot name
+        ``cap:key``), or with None remove it; returns the one it replaces (None if none).
+
+        Every admission and hand-over counts a slot's room against the operator's limit of the
+        slot, else of its cap, else the code's (the sentinel's), read after the slot's lock, so
+        a change holds fleet-wide from its commit on: no one is admitted above a lowered limit
+        (running tasks finish).  Waking the waiters a raised limit makes room for is the
+        caller's (:func:`celery_caps.limits.set_limit`)."""
+
+    @abc.abstractmethod
+    def limits(self) -> dict[str, int]:
+        """The operator's limits, by cap or slot name (see :meth:`set_limit`)."""
 
     @abc.abstractmethod
     def record_history(self, events: Sequence[HistoryEvent], keep_seconds: float, max_events: int) -> None:

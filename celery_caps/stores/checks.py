@@ -94,6 +94,12 @@ def admission(
 
 def history_events(events: Sequence[Any]) -> None:
     for event in events:
-        text("an event's task_id", event.task_id)
+        if event.kind == "limit":  # an operator's change of a limit: of no task
+            if event.task_id != "":
+                raise StoreInputError(f"a limit event's task_id must be empty, got {_describe(event.task_id)}")
+            if event.limit is not None:
+                count("a limit event's limit", event.limit)
+        else:
+            text("an event's task_id", event.task_id)
         names("an event's slots", event.slots, slot)
         seconds("an event's time", event.at, positive=False)

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..caps import operator_limit
 from .base import (
     DISPATCH_HOLDER,
     LEASED_DISPATCHES,
@@ -91,7 +92,8 @@ class MemoryStore(ParkingStore):
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._limits: dict[str, int] = {}  # the sentinels
+        self._limits: dict[str, int] = {}  # the sentinels: the code's limits, last admitted with
+        self._operator_limits: dict[str, int] = {}  # cap or slot name -> the operator's limit
         self._leases: dict[str, dict[str, _LeaseEntry]] = {}  # slot -> run id -> lease
         self._history: list[HistoryEvent] = []
         self._waiting: dict[str, _WaiterEntry] = {}  # task id -> waiter
@@ -115,12 +117,9 @@ class MemoryStore(ParkingStore):
     ) -> Admission:
         with self._lock:
             now = self.clock()
-            full = []
-            for slot in sorted(slots):
+            for slot in slots:
                 self._limits[slot] = slots[slot]
-                live = self._live_task_ids(slot, now)
-                if task_id not in live and len(live) >= slots[slot]:
-                    full.append(slot)
+            full = self._full_slots(self._current_limits(slots), task_id, now)
             if full:
                 return Admission(False, tuple(full))
             self._add_leases(slots, run_id, task_id, holder, now + lease_seconds, task_name, now)
@@ -135,9 +134,21 @@ class MemoryStore(ParkingStore):
         return full
 
     def _current_limits(self, slots: Iterable[str]) -> dict[str, int]:
-        """The slots' limits as their sentinels hold them now (the last admission's): a waiter is
-        dispatched against these, never against the limit it parked with."""
-        return {slot: self._limits[slot] for slot in slots}
+        """The slots' limits now: the operator's, else as their sentinels hold them (the last
+        admission's).  A waiter is dispatched against these, never against the limit it parked with."""
+        return {slot: operator_limit(slot, self._operator_limits) or self._limits[slot] for slot in slots}
+
+    def set_limit(self, name: str, limit: int | None) -> int | None:
+        with self._lock:
+            if limit is None:
+                return self._operator_limits.pop(name, None)
+            previous = self._operator_limits.get(name)
+            self._operator_limits[name] = limit
+            return previous
+
+    def limits(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._operator_limits)
 
     def park(self, request: ParkRequest) -> ParkOutcome:
         slots, task_id = request.slots, request.task_id
@@ -149,7 +160,7 @@ class MemoryStore(ParkingStore):
             if entry is not None and entry.listed:
                 return ParkOutcome.WAITING if entry.task_name == request.task_name else ParkOutcome.ID_IN_USE
             dispatches = entry.dispatches if entry is not None else 0  # a tombstone's count lives on
-            if not self._full_slots(slots, task_id, now):
+            if not self._full_slots(self._current_limits(slots), task_id, now):
                 self._add_leases(
                     slots, request.run_id, task_id, request.holder, now + request.lease_seconds, request.task_name, now
                 )

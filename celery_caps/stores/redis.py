@@ -29,6 +29,9 @@ key                            type    content
                                        sweep never deletes, so ``status`` lists every
                                        slot name ever used; every hand-over to a waiter
                                        counts room by these
+``P:operator_limits``          HASH    cap or slot name -> the limit an operator set
+                                       (``celery caps limit``): every room count uses
+                                       the slot's, else its cap's, else ``P:limits``
 ``P:keyed``                    ZSET    every keyed slot name (``cap:key``) of ``P:limits``,
                                        score 0, so that a cap's keys are a range by name
                                        (the sweep counts them with ``ZLEXCOUNT``); the
@@ -325,6 +328,7 @@ class RedisStore(ParkingStore):
         self._runs_key = prefix + b":runs"
         self._expiry_key = prefix + b":expiry"
         self._history_key = prefix + b":history"
+        self._operator_limits_key = prefix + b":operator_limits"
         self._index_keys = [self._limits_key, self._runs_key, self._expiry_key]
         # The waiting list (park strategy): every parking script takes these first.
         self._waitlist_keys = [
@@ -346,6 +350,7 @@ class RedisStore(ParkingStore):
         self._keyed = self._script("redis_keyed.lua")
         self._record_history = self._script("redis_record_history.lua")
         self._history = self._script("redis_history.lua")
+        self._set_limit = self._script("redis_set_limit.lua")
         self._park = self._script("redis_park.lua", _WAITLIST_LIBRARY)
         self._release_and_wake_script = self._script("redis_release_and_wake.lua", _WAITLIST_LIBRARY)
         self._claim = self._script("redis_claim.lua", _WAITLIST_LIBRARY)
@@ -658,6 +663,14 @@ class RedisStore(ParkingStore):
             args: list[bytes | str] = [self._prefix, "1" if dry_run else "0", *map(_encode, batch)]
             pruned.extend(_text(slot) for slot in self._run("prune", self._prune, self._index_keys, args))
         return sorted(pruned)
+
+    def set_limit(self, name: str, limit: int | None) -> int | None:
+        args: list[bytes | str] = [_encode(name)] + ([] if limit is None else [str(limit)])
+        previous = self._run("setting a limit", self._set_limit, [self._operator_limits_key], args)
+        return None if previous is None else int(previous)
+
+    def limits(self) -> dict[str, int]:
+        return {_text(name): int(limit) for name, limit in self._client.hgetall(self._operator_limits_key).items()}
 
     def record_history(self, events: Sequence[HistoryEvent], keep_seconds: float, max_events: int) -> None:
         if not events:

@@ -142,20 +142,39 @@ local function holds_live_lease(tasks_key, task_id, now)
   return held_until ~= false and tonumber(held_until) > now
 end
 
--- Whether `slot` admits `task_id` now: fewer than `limit` distinct task ids hold a
--- live lease there, or the task id is one of them (a task id counts once).  `cache`,
--- if given, keeps each slot's key and live count between calls (room only shrinks
--- within a script); forget a slot's entry after adding a lease to it.
+-- The limit an operator set for `slot` (celery caps limit): the slot's own, else its
+-- cap's; nil if neither.
+local function operator_limit(prefix, slot)
+  local limits_key = prefix .. ':operator_limits'
+  local limit = redis.call('HGET', limits_key, slot)
+  if not limit then
+    local colon = string.find(slot, ':', 1, true)
+    if colon then
+      limit = redis.call('HGET', limits_key, string.sub(slot, 1, colon - 1))
+    end
+  end
+  return limit and tonumber(limit) or nil
+end
+
+-- Whether `slot` admits `task_id` now: fewer than its limit (the operator's, else
+-- `limit`) distinct task ids hold a live lease there, or the task id is one of them (a
+-- task id counts once).  `cache`, if given, keeps each slot's key, live count and
+-- operator's limit between calls (room only shrinks within a script); forget a slot's
+-- entry after adding a lease to it.
 local function slot_has_room(prefix, slot, limit, task_id, now, cache)
   local entry = cache and cache[slot]
   if entry == nil then
     local tasks_key = slot_key(prefix, slot, 'tasks')
-    entry = { key = tasks_key, live = redis.call('ZCOUNT', tasks_key, '(' .. score_text(now), '+inf') }
+    entry = {
+      key = tasks_key,
+      live = redis.call('ZCOUNT', tasks_key, '(' .. score_text(now), '+inf'),
+      limit = operator_limit(prefix, slot),
+    }
     if cache then
       cache[slot] = entry
     end
   end
-  if entry.live < limit then
+  if entry.live < (entry.limit or limit) then
     return true
   end
   return holds_live_lease(entry.key, task_id, now)

@@ -1,8 +1,9 @@
 -- celery-caps recover: keep waiters moving when no release does.  Dispatches whose deadline
 -- passed go back to waiting at their old place (their dispatch leases deleted); with a
 -- readmit time, waiting entries first deferred before it are dispatched without leases,
--- oldest first; then every waiting entry that has room now (by its slots' limits in the
--- limits hash) is dispatched with leases, oldest first.  With a scope (cap names, task
+-- oldest first; then the lists of the slots that have room now (by their limits in the
+-- limits hash) are walked, and every waiting entry whose slots all have room is dispatched
+-- with leases, oldest first.  With a scope (cap names, task
 -- names, or both), only the entries waiting for a slot of one of the caps (named like the
 -- cap, or "<cap>:<key>" for a cap name without ':'; a slot name is that slot alone) or of a
 -- task named are considered, with (to keep the order fair)
@@ -154,13 +155,25 @@ if readmit_before ~= '' then
   readmit_members(prefix, runs_key, expiry_key, keys, overdue, now, lease_seconds, next_run_id, lists, woken)
 end
 
-local slots
+-- Whether a newcomer fits `slot` now, by its limit in the limits hash (without one: no).  Only
+-- slots with room are walked, as the SQL stores' recovery walks them: a full slot's waiters
+-- cannot be dispatched by this pass, and looking at each of them made a pass cost every list
+-- that waits (10,000 lists of full keys: 10,000 walks for nothing).
+local function has_room(slot)
+  local limit = redis.call('HGET', keys.limits, slot)
+  return limit and slot_has_room(prefix, slot, tonumber(limit), '', now, nil)
+end
+
+local slots = {}
 if not scoped then
-  slots = named
+  for _, slot in ipairs(named) do
+    if has_room(slot) then
+      slots[#slots + 1] = slot
+    end
+  end
 else
-  -- The caps' slots and every slot their waiting (not dispatched) entries of this deployment
-  -- need, and the slots of the entries of the tasks named.
-  slots = {}
+  -- The caps' slots with room and every slot their waiting (not dispatched) entries of this
+  -- deployment need, and the slots with room of the entries of the tasks named.
   local listed = {}
   local function add(slot)
     if not listed[slot] then
@@ -170,14 +183,8 @@ else
   end
   for _, slot in ipairs(named) do
     local waiters_key = lists.key(slot)
-    if redis.call('EXISTS', waiters_key) == 1 then
+    if redis.call('EXISTS', waiters_key) == 1 and has_room(slot) then
       add(slot)
-      -- The walk of a full slot's list stops at its first waiting entry that does not fit
-      -- (dispatch_waiters): the entries up to it are all that can matter, however long the list.
-      -- (An entry whose task holds the slot already fits it.)
-      local tasks_key = slot_key(prefix, slot, 'tasks')
-      local limit = redis.call('HGET', keys.limits, slot)
-      local full = not limit or not slot_has_room(prefix, slot, tonumber(limit), '', now, nil)
       local rank, done = 0, false
       while not done do
         local members = redis.call('ZRANGE', waiters_key, rank, rank + WALK_CHUNK - 1)
@@ -190,17 +197,15 @@ else
             for j = RECORD_SLOTS, #record do
               add(record[j])
             end
-            if full and not holds_live_lease(tasks_key, task_id, now) then
-              done = true
-              break
-            end
           end
         end
       end
     end
   end
   for _, slot in ipairs(names_slots) do
-    add(slot)
+    if has_room(slot) then
+      add(slot)
+    end
   end
 end
 

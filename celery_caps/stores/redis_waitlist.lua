@@ -398,28 +398,68 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
     end
   end
 
-  while true do
-    -- Merge the lists: the oldest entry at the head of any open cursor.
-    local best, best_member, best_score = nil, nil, nil
-    for _, cursor in ipairs(cursors) do
-      if not cursor.closed then
-        local member, score = head(cursor)
-        if member == nil then
-          cursor.closed = true
-        elseif best == nil or score < best_score or (score == best_score and bytes_less(member, best_member)) then
-          best, best_member, best_score = cursor, member, score
+  -- Merge the lists: the open cursors in a binary min-heap by their heads (score, then member
+  -- bytes), so that the oldest entry at the head of any of them is found in log(cursors) steps.
+  -- (A look at every cursor for each entry made a recovery pass over 10,000 lists that wait
+  -- 10,000 x 10,000 steps: 38 s inside one script.)  A cursor whose head moved on since it was
+  -- pushed (that entry was seen through another list) is pushed again by its new head; a closed
+  -- one is dropped when it comes up.
+  local heap = {}
+  local function earlier(a, b)
+    if a.score ~= b.score then
+      return a.score < b.score
+    end
+    return bytes_less(a.member, b.member)
+  end
+  local function push_head(cursor)
+    local member, score = head(cursor)
+    if member == nil then
+      cursor.closed = true
+      return
+    end
+    local item = { cursor = cursor, member = member, score = score }
+    local i = #heap + 1
+    heap[i] = item
+    while i > 1 do
+      local parent = math.floor(i / 2)
+      if not earlier(heap[i], heap[parent]) then
+        break
+      end
+      heap[i], heap[parent] = heap[parent], heap[i]
+      i = parent
+    end
+  end
+  local function pop_oldest()
+    local top, last = heap[1], heap[#heap]
+    heap[#heap] = nil
+    if #heap > 0 then
+      heap[1] = last
+      local i = 1
+      while true do
+        local left, right, first = 2 * i, 2 * i + 1, i
+        if left <= #heap and earlier(heap[left], heap[first]) then
+          first = left
         end
+        if right <= #heap and earlier(heap[right], heap[first]) then
+          first = right
+        end
+        if first == i then
+          break
+        end
+        heap[i], heap[first] = heap[first], heap[i]
+        i = first
       end
     end
-    if best == nil then
-      break
-    end
-    best.at = best.at + 2
-    local task_id = waiter_task_id(best_member)
+    return top
+  end
+  -- Dispatch the entry `member` of the merged lists if it is a waiting entry of the handle's
+  -- that fits now; if a slot of it is full, close that slot's list (see below).
+  local function consider(member)
+    local task_id = waiter_task_id(member)
     seen[task_id] = true
-    local blocking = blocked_by[waiter_signature(best_member)]
+    local blocking = blocked_by[waiter_signature(member)]
     local record = nil
-    if (is_own == nil or is_own(task_id, best_member))
+    if (is_own == nil or is_own(task_id, member))
         and (blocking == nil or holds_live_lease(blocking, task_id, now)) then
       record = read_waiter(keys.waiting, task_id)
     end
@@ -448,6 +488,23 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
         for i = RECORD_SLOTS, #record do
           room[record[i]] = nil
         end
+      end
+    end
+  end
+
+  for _, cursor in ipairs(cursors) do
+    push_head(cursor)
+  end
+  while #heap > 0 do
+    local top = pop_oldest()
+    local cursor = top.cursor
+    if not cursor.closed then
+      if head(cursor) == top.member then
+        cursor.at = cursor.at + 2
+        consider(top.member)
+      end
+      if not cursor.closed then
+        push_head(cursor)
       end
     end
   end

@@ -33,6 +33,25 @@ def print_tails(fleet: Fleet, lines: int = 80) -> None:
 
 FleetFactory = Callable[..., Fleet]
 
+#: Each store a cap's fleet test runs on, with its strategy: park on the stores with a server,
+#: backoff on SQLite (whose park fleets run in test_park).
+STORES_AND_STRATEGIES = [
+    pytest.param("postgres", "park", marks=pytest.mark.postgres),
+    pytest.param("mysql", "park", marks=pytest.mark.mysql),
+    pytest.param("sqlite", "backoff", marks=pytest.mark.sqlite),
+    pytest.param("redis", "park", marks=pytest.mark.redis),
+]
+
+
+def start_fleet_on(make_fleet: FleetFactory, tmp_path: Path, store: str, strategy: str, **settings: Any) -> Fleet:
+    """Two workers of four prefork processes on ``store`` (a service name, or ``"sqlite"``: a
+    file of this test's), with Redis as broker and result backend."""
+    redis_url = require_service("redis")
+    caps_url = f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else require_service(store)
+    fleet = make_fleet(broker=redis_url, backend=redis_url, caps_url=caps_url, strategy=strategy, **settings)
+    fleet.start(2, concurrency=4)
+    return fleet
+
 
 class Fleets:
     """Builds fleets whose logs live under ``log_root``; :meth:`close` stops and cleans them all."""

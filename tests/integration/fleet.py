@@ -36,6 +36,7 @@ from celery_caps.settings import CapsSettings
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import Lease, ParkingStore, SlotStore
 from tests.integration.fleetapp import Recorder, make_app, queue_name
+from tests.services import close_client_app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -549,10 +550,6 @@ class Fleet:
             if keys:
                 client.delete(*keys)
         self.recorder.close()
-        # Nor is the Redis result backend's client closed by app.close().
-        backend_client = getattr(self.app.backend, "client", None)
-        if backend_client is not None:
-            backend_client.close()
         broker = self.env["CAPS_FLEET_BROKER"]
         if broker.startswith("amqp"):
             with self.app.connection_for_write() as connection:
@@ -567,18 +564,22 @@ class Fleet:
         if self._store is not None:
             delete_slot_rows(self._store, self.cap_prefix)
             self._store.close()
-        self.app.close()
+        close_client_app(self.app)
 
 
 def delete_slot_rows(store: SlotStore, prefix: str) -> None:
     """Delete every lease and sentinel whose slot name starts with ``prefix`` (SQL or Redis store),
-    and take the tasks still waiting for those slots off the waiting list."""
+    and the limits operators set for them (and, on Redis, the history's events of those slots
+    alone), and take the tasks still waiting for those slots off the waiting list."""
     from celery_caps.stores.redis import RedisStore
     from celery_caps.stores.sql import SQLStore, concurrency_slots, concurrency_waiters
 
     if isinstance(store, ParkingStore):
         for task_id in sorted({waiter.task_id for waiter in store.waiters() if waiter.slot.startswith(prefix)}):
             store.forget(task_id, 30.0)
+    for name in store.limits():  # set by an operator (celery caps limit)
+        if name.startswith(prefix):
+            store.set_limit(name, None)
     if isinstance(store, RedisStore):
         # Lease keys vanish once empty; the sentinels are fields of the "<key prefix>:limits" hash.
         client, limits = store.client, f"{store.key_prefix}:limits"
@@ -593,6 +594,16 @@ def delete_slot_rows(store: SlotStore, prefix: str) -> None:
             client.zrem(keyed, *names)
         if client.zrange(keyed, 0, 1) in ([], [b""]):
             client.delete(keyed)
+        # ... and the history's events of those slots alone (a limit set by a test is recorded
+        # there), members of the "<key prefix>:history" sorted set.
+        history = f"{store.key_prefix}:history"
+        events = [
+            event
+            for event, _ in client.zscan_iter(history)
+            if (slots := json.loads(event).get("slots")) and all(slot.startswith(prefix) for slot in slots)
+        ]
+        if events:
+            client.zrem(history, *events)
     if isinstance(store, SQLStore):
         # On MySQL/MariaDB the name columns are VARBINARY: compare bytes.
         pattern = store.dialect.exact(prefix)

@@ -21,6 +21,7 @@ from celery import Celery
 
 from tests.integration.fleet import delete_slot_rows
 from tests.integration.opsapp import make_app
+from tests.services import close_client_app
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _T = TypeVar("_T")
@@ -122,7 +123,7 @@ class OpsWorker:
             client.close()
         if store is not None:
             delete_slot_rows(store, self.prefix)
-        self.app.close()
+        close_client_app(self.app)
 
 
 def ops_env(prefix: str, *, broker: str, caps_url: str, backend: str | None = None, **extra: str) -> dict[str, str]:

@@ -115,6 +115,12 @@ def test_metrics_endpoint_counts_what_the_pool_did(
     assert value(samples, "celery_caps_slot_limit", cap=tenant) == 5
     assert value(samples, "celery_caps_keys", cap=tenant) == 3
     assert value(samples, "celery_caps_slots_held", cap=gate) == 0
+    # ... and a limit an operator sets (celery caps limit) as soon as the gauges are read again
+    assert store.set_limit(tenant, 2) is None
+    wait_for(
+        lambda: value(scrape(port), "celery_caps_slot_limit", cap=tenant) == 2, 60, "the operator's limit not shown"
+    )
+    store.set_limit(tenant, None)
     # and a cap past caps_key_warning_threshold is logged
     wait_for(lambda: f"cap '{tenant}' has 3 distinct keys" in worker.log(), 30, "no key warning in the log")
 

@@ -14,9 +14,8 @@ import pytest
 from celery.result import AsyncResult
 
 from celery_caps.errors import CapKeyError
-from tests.integration.conftest import FleetFactory
+from tests.integration.conftest import STORES_AND_STRATEGIES, FleetFactory, start_fleet_on
 from tests.integration.fleet import Fleet, wait_for
-from tests.services import require_service
 
 pytestmark = [pytest.mark.fleet, pytest.mark.redis]
 
@@ -29,37 +28,17 @@ TASKS = {PREMIUM: 12, BASIC: 5, OTHER_BASIC: 5}
 TASK_MS = 250
 
 
-def _caps_url(store: str, tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path}/caps.db" if store == "sqlite" else require_service(store)
-
-
 def _result(fleet: Fleet, task_id: str) -> AsyncResult:
     result = fleet.app.AsyncResult(task_id)
     result.get(timeout=30, propagate=False)
     return result
 
 
-@pytest.mark.parametrize(
-    ("store", "strategy"),
-    [
-        pytest.param("postgres", "park", marks=pytest.mark.postgres),
-        pytest.param("mysql", "park", marks=pytest.mark.mysql),
-        pytest.param("sqlite", "backoff", marks=pytest.mark.sqlite),
-        pytest.param("redis", "park", marks=pytest.mark.redis),
-    ],
-)
+@pytest.mark.parametrize(("store", "strategy"), STORES_AND_STRATEGIES)
 def test_each_key_gets_the_limit_its_function_gives(
     make_fleet: FleetFactory, tmp_path: Path, store: str, strategy: str
 ) -> None:
-    redis_url = require_service("redis")
-    fleet = make_fleet(
-        broker=redis_url,
-        backend=redis_url,
-        caps_url=_caps_url(store, tmp_path),
-        provider_limit=PROVIDER_LIMIT,
-        strategy=strategy,
-    )
-    fleet.start(2, concurrency=4)
+    fleet = start_fleet_on(make_fleet, tmp_path, store, strategy, provider_limit=PROVIDER_LIMIT)
 
     # Given a premium tenant (limit 3) and two basic ones (limit 1), all sent at once
     sent = {

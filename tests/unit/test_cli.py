@@ -179,6 +179,9 @@ def test_status_lists_every_cap_and_slot_with_limits_holders_expired_and_keys(
         "cap": f"{prefix}tenant",
         "limit": 1,
         "limit_function": None,
+        "limit_source": "code",
+        "code_limit": 1,
+        "keys_with_limits_set": 0,
         "registered": True,
         "keyed": True,
         "keys": 2,
@@ -193,6 +196,7 @@ def test_status_lists_every_cap_and_slot_with_limits_holders_expired_and_keys(
         "slot": f"{prefix}tenant:acme",
         "cap": f"{prefix}tenant",
         "limit": 1,
+        "limit_source": "code",
         "holders": 1,
         "expired": 0,
         "waiters": 0,
@@ -633,6 +637,99 @@ def test_waiting_list_commands_on_a_store_without_one(app: Celery, store: SlotSt
         assert result.output.strip() == f"Error: the slot store {type(store).__name__} has no waiting list"
 
 
+# -- limit -----------------------------------------------------------------------------
+
+
+def test_limit_overrides_the_code_shows_where_it_comes_from_and_resets(
+    app: Celery, store: SlotStore, prefix: str
+) -> None:
+    email = f"{prefix}email"
+    # Given: the code's limit of 3, two held
+    for number in range(2):
+        take(store, {email: 3}, f"{prefix}e{number}", name="send_email", holder="w1@host-a/1")
+    assert run(app, "limit", email).output.strip() == f"{email}: limit 3, from code"
+
+    # When: an operator cuts it to 1
+    result = run(app, "limit", email, "1")
+    assert result.exit_code == 0, result.output
+    assert (
+        result.output.splitlines()[0] == f"{email}: limit 1, was the code's; every worker counts against it from now on"
+    )
+
+    # Then: the store refuses a task that carries the code's 3, and status says where the limit comes from
+    assert store.acquire({email: 3}, f"{prefix}e9", uuid.uuid4().hex, "w1@host-a/1", LONG).granted is False
+    report = json.loads(run(app, "status", "--json").output)
+    [line] = [line for line in report["caps"] if line["cap"] == email]
+    assert (line["limit"], line["limit_source"], line["code_limit"]) == (1, "operator", 3)
+    [slot] = [slot for slot in report["slots"] if slot["slot"] == email]
+    assert (slot["limit"], slot["limit_source"], slot["holders"]) == (1, "operator", 2)
+    table = run(app, "status", "--cap", email).output
+    assert "1 (set; code 3)" in table and "(full)" in table
+    shown = run(app, "limit", email).output.splitlines()
+    assert shown[0] == f"{email}: limit 1, set by an operator (code: 3)"
+    assert shown[1] == "changes:" and shown[2].endswith(f"{email} -> 1  (caps limit by {shown[2].split('by ')[-1]}")
+
+    # When: it is reset
+    result = run(app, "limit", email, "--reset")
+    assert (
+        result.output.splitlines()[0]
+        == f"{email}: limit the code's, was 1 (set); every worker counts against it from now on"
+    )
+    assert email not in store.limits()
+    assert run(app, "limit", email).output.splitlines()[0] == f"{email}: limit 3, from code"
+    take(store, {email: 3}, f"{prefix}e9", name="send_email", holder="w1@host-a/1")
+
+
+def test_limit_of_one_key_beats_its_caps_and_a_raise_wakes_the_waiters(
+    app: Celery, store: SlotStore, prefix: str
+) -> None:
+    store = parking_store(store)
+    tenant = f"{prefix}tenant"
+    acme = f"{tenant}:acme"
+    # Given: tenant acme full at the code's 1, two imports waiting for it
+    take(store, {acme: 1}, f"{prefix}running", name="import_file", holder="w1@host-a/1")
+    park_task(app, store, {acme: 1}, f"{prefix}w0", first=time.time() - 5)
+    park_task(app, store, {acme: 1}, f"{prefix}w1", first=time.time() - 4)
+    # When: an operator raises acme to 3
+    result = run(app, "limit", acme, "3")
+    # Then: both waiters are dispatched at once, their copies published
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1] == "dispatched 2 waiting task(s) into the room it leaves"
+    assert sorted(message["id"] for message in published(app)) == [f"{prefix}w0", f"{prefix}w1"]
+    assert [waiter.dispatched for waiter in store.waiters(acme)] == [True, True]
+    report = json.loads(run(app, "explain", f"{prefix}w0", "--json").output)
+    [needed] = [slot for slot in report["slots"] if slot["slot"] == acme]
+    assert (needed["limit"], needed["limit_source"]) == (3, "operator")
+    assert "tenant:acme: 3/3 held (limit set by an operator)" in run(app, "explain", f"{prefix}w0").output
+    # ... and the cap's limit for all keys does not undo the key's own
+    run(app, "limit", tenant, "2")
+    report = json.loads(run(app, "status", "--json").output)
+    limits = {slot["slot"]: (slot["limit"], slot["limit_source"]) for slot in report["slots"] if slot["cap"] == tenant}
+    assert limits[acme] == (3, "operator")
+    [line] = [line for line in report["caps"] if line["cap"] == tenant]
+    assert (line["limit"], line["keys_with_limits_set"]) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["nosuchcap", "2"], "Error: no task of this app declares a cap named 'nosuchcap' (its caps: {caps})"),
+        (["{prefix}email", "0"], "is not in the range x>=1"),
+        (["{prefix}email", "many"], "'many' is not a valid integer"),
+        (["{prefix}email", "2", "--reset"], "give N or --reset, not both"),
+        (["{prefix}tenant:", "2"], "key function returned an empty string"),
+    ],
+)
+def test_limit_refuses_unknown_caps_and_bad_values_and_changes_nothing(
+    app: Celery, store: SlotStore, prefix: str, arguments: list[str], message: str
+) -> None:
+    result = run(app, "limit", *(argument.format(prefix=prefix) for argument in arguments))
+    assert result.exit_code != 0
+    caps = ", ".join(sorted(f"{prefix}{name}" for name in ("email", "provider", "tenant")))
+    assert message.format(caps=caps) in result.output
+    assert not [name for name in store.limits() if name.startswith(prefix)]
+
+
 # -- watch, timeline -------------------------------------------------------------------
 
 
@@ -686,6 +783,7 @@ COMMANDS = [
     ["waiters", "tenant"],
     ["drain", "tenant", "--yes"],
     ["redispatch", "tenant"],
+    ["limit", "tenant", "2"],
     ["watch", "--iterations", "1"],
     ["timeline", "--out", "/dev/null"],
 ]
@@ -718,7 +816,10 @@ DOWN_CASES = [
     pytest.param(UNREACHABLE[name], command, id=f"{name}-{' '.join(command[:2])}", marks=getattr(pytest.mark, name))
     for name in UNREACHABLE
     for command in (
-        COMMANDS if name == "redis" else [["status"], ["explain", "some-task"], ["timeline", "--out", "/dev/null"]]
+        # (limit refuses a cap the bare app does not declare before it reads the store.)
+        [command for command in COMMANDS if command[0] != "limit"]
+        if name == "redis"
+        else [["status"], ["explain", "some-task"], ["timeline", "--out", "/dev/null"]]
     )
 ]
 

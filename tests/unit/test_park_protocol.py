@@ -23,13 +23,14 @@ as Celery and its brokers behave (``shared/CELERY-NOTES.md``):
 - the changes a fleet lives through, none of them a fault: a warm shutdown (the
   worker's prefetched, unstarted messages go back to the broker, marked redelivered);
   a deploy that changes a cap's limit (the arrivals after it carry the new limit), or
-  renames a cap (its waiters are recovered by their task's name); a task whose message
+  renames a cap (its waiters are recovered by their task's name); an operator's limit set
+  or reset (``celery caps limit``) on a cap or one key; a task whose message
   can no longer be published (a deploy changed its signature: it is failed and taken
   off the list, as the library's hand-over does); a task id reused by another task.
 
 Invariants: whenever the store grants a slot (an admission, a dispatch), the slot's
-holders are within its current limit (the last one the store was given: running tasks
-may finish above a lowered limit); a body of one attempt (task id, retries) runs again,
+holders are within its current limit (an operator's, else the last one the store was given:
+running tasks may finish above a lowered limit); a body of one attempt (task id, retries) runs again,
 or two run at once, only after a fault hit a copy of that task (a worker killed while
 holding it); a reused task id is reported, never taken for the task that waits.  At the
 end (faults stop, time passes, workers keep working): every task sent has finished at
@@ -66,6 +67,7 @@ from hypothesis.stateful import (
 )
 
 from celery_caps import messages, park
+from celery_caps.caps import operator_limit
 from celery_caps.errors import StoreError
 from celery_caps.stores.base import OUTSIDE_PAYLOAD, SlotStore, Woken
 from celery_caps.stores.memory import MemoryStore
@@ -202,7 +204,10 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             #: The deployed code's limit of each cap, and whether a deploy renamed cap "g" to "g2".
             self.limits = dict(LIMITS)
             self.renamed = False
-            #: Slot name -> the highest limit the fleet ever gave it.
+            #: Cap or slot name (unprefixed: "g", "k", "k:a") -> the limit an operator set
+            #: (celery caps limit), which every count uses instead of the code's.
+            self.operator_limits: dict[str, int] = {}
+            #: Slot name -> the highest limit the fleet (or an operator) ever gave it.
             self.max_limits = {self.slot(cap): limit for cap, limit in LIMITS.items()}
             #: Every slot name the fleet may use (cap "g" renamed "g2" included).
             self.all_slots = sorted({*self.max_limits, self.slot("g2")})
@@ -248,12 +253,13 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             (a lowered limit admits no one above it; tasks running from before may finish above
             it).  A task id that held the slot already counts once: its grant adds no one."""
             limits = {status.slot: status.limit for status in self.real_store.status() if status.slot in slots}
+            operator_limits = {self.slot(name): limit for name, limit in self.operator_limits.items()}
             for slot in slots:
                 live = [lease for lease in self.real_store.leases(slot) if lease.expires_in > 0]
                 if any(lease.task_id == task_id and lease.run_id != run_id for lease in live):
                     continue
                 holders = {lease.task_id for lease in live}
-                limit = limits[slot]
+                limit = operator_limit(slot, operator_limits) or limits[slot]
                 assert limit is not None and len(holders) <= limit, (
                     f"{what}: slot {self.task_of(slot)} holds {len(holders)} tasks under its limit of {limit}: "
                     f"{sorted(self.task_of(task) for task in holders)}\n{self.history()}"
@@ -625,6 +631,34 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             slot = self.cap_slot(cap)
             self.max_limits[slot] = max(self.max_limits.get(slot, 0), limit)
 
+        @rule(name=st.sampled_from(["g", "k", "k:a", "k:b"]), limit=st.one_of(st.none(), st.integers(1, 3)))
+        def operator_sets_a_limit(self, name: str, limit: int | None) -> None:
+            """An operator runs `celery caps limit NAME N` (or `--reset`: None) on cap g, cap k (both
+            its keys) or one key: every count uses it from its commit on, whatever limit a copy
+            carries or a waiter parked with; then the command dispatches the waiters it has room
+            for (a raise).  With the store away it fails; with the reply lost it held."""
+            try:
+                self.store.set_limit(self.slot(name), limit)
+            except StoreError:
+                if self.store.mode != "lossy":
+                    self.note(f"operator: limit {name} {limit} failed, the store is away")
+                    return
+            self.note(f"operator: limit {name} {limit if limit is not None else 'reset'}")
+            if limit is None:
+                self.operator_limits.pop(name, None)
+            else:
+                self.operator_limits[name] = limit
+                for slot in self.all_slots:
+                    if operator_limit(slot, {self.slot(name): limit}) is not None:
+                        self.max_limits[slot] = max(self.max_limits.get(slot, 0), limit)
+            try:
+                woken = self.store.recover(dispatch_lease, caps=[self.slot(name.partition(":")[0])])
+            except StoreError:
+                return
+            self.note(f"operator's recover: woke {self.named(woken)}")
+            self.check_woken(woken, "the limit's recovery")
+            self.publish_woken(woken)
+
         @precondition(lambda self: not self.renamed)
         @rule()
         def deploy_a_cap_name(self) -> None:
@@ -737,6 +771,8 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
         def clean_up(self) -> None:
             if target is None:
                 return
+            for name in self.operator_limits:
+                self.real_store.set_limit(self.slot(name), None)
             for slot in self.all_slots:
                 for waiter in self.real_store.waiters(slot):
                     self.real_store.forget(waiter.task_id, dispatch_lease)

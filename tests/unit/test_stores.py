@@ -44,6 +44,8 @@ from tests.services import StoreKind, StoreTarget, own_status
 LONG_LEASE = 120.0
 #: Short enough to wait for, in seconds.
 SHORT_LEASE = 0.4
+#: What is left of a lease that ``lapse`` ends, in seconds.
+MOMENT = 0.05
 HOLDER = "worker1@host-a/101"
 
 
@@ -97,6 +99,20 @@ def wait_until_expired(store: SlotStore, run_ids: Sequence[str]) -> None:
         return all(lease.expires_in <= 0 for lease in leases)
 
     wait_until(expired, f"leases of {run_ids} expired")
+
+
+def lapse(store: SlotStore, run_ids: Sequence[str]) -> None:
+    """End the live leases of ``run_ids`` now, as if their holder died, and wait them out.
+
+    Only for runs that took their slots (a dispatch keeps its own deadline on its entry).
+
+    A test that needs a lease to lapse *after* some steps takes it long and lapses it here: a
+    lease taken short could lapse before those steps on a slow machine (a short lease that
+    lapsed before a park made CI's park admit instead of wait).
+    """
+    renewed = store.renew(run_ids, MOMENT)
+    assert set(renewed) == set(run_ids), f"runs {set(run_ids) - set(renewed)} had no live lease to lapse"
+    wait_until_expired(store, run_ids)
 
 
 # -- one run's lease ----------------------------------------------------------
@@ -480,10 +496,10 @@ def test_status_counts_distinct_live_holders_and_unswept_leases(store: SlotStore
     admit(store, {slot: 4}, f"{prefix}a")
     admit(store, {slot: 4}, f"{prefix}a")
     admit(store, {slot: 4}, f"{prefix}b")
-    expiring = admit(store, {slot: 4}, f"{prefix}c", lease_seconds=SHORT_LEASE)
+    expiring = admit(store, {slot: 4}, f"{prefix}c")
     assert own_status(store, prefix) == {slot: SlotStatus(slot, limit=4, holders=3, expired=0)}
 
-    wait_until_expired(store, [expiring])
+    lapse(store, [expiring])
     assert own_status(store, prefix) == {slot: SlotStatus(slot, limit=4, holders=2, expired=1)}
 
     # A task admitted under a new limit records it.
@@ -1443,12 +1459,12 @@ def test_a_claim_retried_after_its_reply_was_lost_runs_even_once_its_leases_expi
     wait_until_expired(store, [first.run_id])
     [again] = store.recover(DISPATCH_LEASE, caps=[slot])  # dispatched twice: a tombstone follows
     # Given a claim that took the task, whose reply was lost (the store went away)
-    assert store.claim(again.task_id, again.run_id, "w1@h/1", SHORT_LEASE) is ClaimOutcome.RUN
+    assert store.claim(again.task_id, again.run_id, "w1@h/1", LONG_LEASE) is ClaimOutcome.RUN
     # When it is retried by the same process: it runs (its leases are its own)
-    assert store.claim(again.task_id, again.run_id, "w1@h/1", SHORT_LEASE) is ClaimOutcome.RUN
+    assert store.claim(again.task_id, again.run_id, "w1@h/1", LONG_LEASE) is ClaimOutcome.RUN
     # ... and once they expired (the store was away longer than a lease), it goes through
     # admission: the tombstone is its own claim's
-    wait_until_expired(store, [again.run_id])
+    lapse(store, [again.run_id])
     assert store.claim(again.task_id, again.run_id, "w1@h/1", LONG_LEASE) is ClaimOutcome.ADMIT
     # Another process presenting that dispatch, or this one presenting the older dispatch, ends
     assert store.claim(again.task_id, again.run_id, "w2@h/2", LONG_LEASE) is ClaimOutcome.END
@@ -1633,15 +1649,46 @@ def test_recovery_hands_room_freed_by_expired_leases_to_waiters(store: SlotStore
     # A crashed worker never releases: its lease expires, and recovery (not a release) wakes.
     store = parking_store(store)
     slot = f"{prefix}s"
-    crashed = admit(store, {slot: 1}, f"{prefix}crashed", lease_seconds=SHORT_LEASE)
-    park(store, {slot: 1}, f"{prefix}waiter", 1.0)
+    crashed = admit(store, {slot: 1}, f"{prefix}crashed")
+    assert park(store, {slot: 1}, f"{prefix}waiter", 1.0) == ParkOutcome.PARKED
     assert store.recover(DISPATCH_LEASE, caps=[slot]) == []
-    wait_until_expired(store, [crashed])
+    lapse(store, [crashed])
 
     [woken] = store.recover(DISPATCH_LEASE, caps=[slot])
 
     assert woken.task_id == f"{prefix}waiter"
     assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+
+
+def test_recovery_of_a_cap_serves_each_key_with_room_oldest_first_among_many_waiting_keys(
+    store: SlotStore, prefix: str
+) -> None:
+    # Rule: a recovery pass walks the lists of the slots with room, merged by first deferral
+    # (the Redis store merges them through a heap: many lists, so that its order is exercised).
+    store = parking_store(store)
+    cap, keys = f"{prefix}tenant", 48
+    slot = [f"{cap}:k{i:02d}" for i in range(keys)]
+    # Given keys at limit 1, each held, each with two waiters first deferred in a scrambled order
+    holders = [admit(store, {slot[i]: 1}, f"{prefix}holder{i}") for i in range(keys)]
+    deferred = {i: float((i * 29) % keys) for i in range(keys)}
+    for i in range(keys):
+        assert park(store, {slot[i]: 1}, f"{prefix}first{i}", deferred[i]) == ParkOutcome.PARKED
+        assert park(store, {slot[i]: 1}, f"{prefix}second{i}", 100.0 + deferred[i]) == ParkOutcome.PARKED
+    # ... and, oldest of all, a waiter of an even key and an odd one (the odd key full)
+    assert park(store, {slot[0]: 1, slot[1]: 1}, f"{prefix}both", -1.0) == ParkOutcome.PARKED
+    # ... and the even keys' holders gone without a hand-over (as leases that expired, swept)
+    for i in range(0, keys, 2):
+        assert store.release(holders[i]) == 1
+
+    # When a worker's recovery pass runs on the cap
+    woken = store.recover(DISPATCH_LEASE, caps=[cap])
+
+    # Then each even key's oldest waiter that fits is dispatched, all of them oldest first; the
+    # waiter of a full key stays, and so does every second waiter
+    even = sorted(range(0, keys, 2), key=lambda i: deferred[i])
+    assert [w.task_id for w in woken] == [f"{prefix}first{i}" for i in even]
+    assert all(not w.readmit for w in woken)
+    assert store.recover(DISPATCH_LEASE, caps=[cap]) == []
 
 
 def test_prune_keeps_the_slots_that_parked_tasks_wait_for(store: SlotStore, prefix: str) -> None:
@@ -1650,12 +1697,13 @@ def test_prune_keeps_the_slots_that_parked_tasks_wait_for(store: SlotStore, pref
     waited, dispatched, idle = f"{cap}:waited", f"{cap}:dispatched", f"{cap}:idle"
     # Given a slot whose holder's lease expired with a task parked behind it, a slot whose waiter
     # was dispatched and never claimed its (expired) dispatch lease, and an idle slot
-    expired = [admit(store, {slot: 1}, f"{prefix}{slot}-holder", lease_seconds=SHORT_LEASE) for slot in (waited, idle)]
+    expired = [admit(store, {slot: 1}, f"{prefix}{slot}-holder") for slot in (waited, idle)]
     holder = admit(store, {dispatched: 1}, f"{prefix}dispatched-holder")
-    park(store, {waited: 1}, f"{prefix}waiter", 1.0)
-    park(store, {dispatched: 1}, f"{prefix}dispatched", 2.0)
+    assert park(store, {waited: 1}, f"{prefix}waiter", 1.0) == ParkOutcome.PARKED
+    assert park(store, {dispatched: 1}, f"{prefix}dispatched", 2.0) == ParkOutcome.PARKED
+    lapse(store, expired)
     _, [lost] = store.release_and_wake(holder, SHORT_LEASE)
-    wait_until_expired(store, [*expired, lost.run_id])
+    wait_until_expired(store, [lost.run_id])
 
     # When the operator prunes the cap's keys no live lease holds
     assert store.prune(f"{cap}:", dry_run=True) == [idle]

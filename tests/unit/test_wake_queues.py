@@ -78,6 +78,10 @@ def test_a_task_woken_into_a_wake_queue_is_sent_on_to_its_own_queue(app: Celery)
     plain = work.signature_from_request(_request({"exchange": "", "routing_key": "emails"}), (), {})
     assert plain.options["queue"] == "emails"
 
+    # A woken copy as the release publishes it: through the default exchange, by the wake queue's name
+    by_name = {"exchange": "", "routing_key": wake_queue_name("emails")}
+    assert work.signature_from_request(_request(by_name), (), {}).options["queue"] == "emails"
+
 
 def _request(delivery_info: dict[str, Any]) -> Any:
     from celery.app.task import Context
@@ -125,3 +129,55 @@ def test_tasks_sent_to_a_full_cap_are_parked_with_their_group_and_links(app: Cel
     store.release("run-1")
     sent = work.apply_async((8,))
     assert sent.id not in {w.task_id for w in store.waiters("provider")}
+
+
+@pytest.mark.redis
+def test_a_woken_copy_goes_to_its_wake_queue_in_one_broker_command() -> None:
+    import redis
+
+    from celery_caps import handover
+    from celery_caps.messages import encode_payload
+    from celery_caps.runtime import runtime_for
+    from celery_caps.stores.base import Woken
+    from tests.services import close_client_app, new_prefix, require_service
+
+    # Given an app on a Redis broker whose wake queue is declared (as a worker declares it)
+    url = require_service("redis")
+    prefix = new_prefix()
+    app = Celery("wake-publish", broker=url, set_as_current=False)
+    app.conf.caps_url = "memory://"
+    app.conf.broker_transport_options = {"global_keyprefix": f"{prefix}kombu:"}
+    app.conf.task_default_queue = f"{prefix}emails"
+
+    @app.task(base=CappedTask, cap=Cap("provider", 1), shared=False, name="jobs.send")
+    def send(to: str) -> None: ...
+
+    client = redis.Redis.from_url(url)
+    try:
+        payload = encode_payload(app, dict(send.s("a@example.org")))
+        woken = [Woken(f"t-{n}", f"run-{n}", payload, "jobs.send") for n in range(3)]
+        handover.publish_woken(runtime_for(app), woken[:1])  # declares the wake queue
+        before = _commands(client)
+
+        # When the release publishes two more woken copies
+        assert handover.publish_woken(runtime_for(app), woken[1:]) == woken[1:]
+
+        # Then each is one LPUSH on the wake queue, named; no lookup of its exchange's bindings
+        spent = {name: count - before.get(name, 0) for name, count in _commands(client).items()}
+        assert spent.get("lpush") == 2, spent
+        assert not spent.get("smembers"), spent
+        wake = f"{prefix}kombu:{wake_queue_name(app.conf.task_default_queue)}"
+        assert client.llen(wake) == 3
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+        runtime_for(app).close()
+        close_client_app(app)
+
+
+def _commands(client: Any) -> dict[str, int]:
+    """Calls per command on the server so far (``INFO commandstats``)."""
+    stats = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}

@@ -60,7 +60,8 @@ class Dialect:
     for_update: str
     #: The same, skipping rows another transaction holds (never waiting out of slot order).
     for_update_skip_locked: str
-    #: The cap of a keyed slot name ``slot`` (the part before its first ``:``).
+    #: The cap of the slot name that ``{slot}`` stands for (the part before its first ``:``; all
+    #: of a name without one).
     cap_of_slot: str
     #: Driver error codes worth a second try of the whole transaction (MySQL deadlocks, lock waits).
     retryable_codes: frozenset[Any] = frozenset()
@@ -105,7 +106,7 @@ POSTGRESQL = Dialect(
     ),
     for_update=" FOR UPDATE",
     for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
-    cap_of_slot="split_part(slot, ':', 1)",
+    cap_of_slot="split_part({slot}, ':', 1)",
     autocommit_single_statements=True,
     isolation_query="SHOW transaction_isolation",
     session_isolation_query="SHOW default_transaction_isolation",
@@ -127,7 +128,7 @@ MYSQL = Dialect(
     ),
     for_update=" FOR UPDATE",
     for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
-    cap_of_slot="SUBSTRING_INDEX(slot, ':', 1)",
+    cap_of_slot="SUBSTRING_INDEX({slot}, ':', 1)",
     retryable_codes=frozenset({1213, 1205}),  # deadlock; lock wait timeout
     binlog_query="SELECT @@log_bin, @@sql_log_bin, @@binlog_format",
 )
@@ -148,7 +149,7 @@ SQLITE = Dialect(
     ),
     for_update="",
     for_update_skip_locked="",
-    cap_of_slot="substr(slot, 1, instr(slot, ':') - 1)",
+    cap_of_slot="substr({slot}, 1, instr({slot} || ':', ':') - 1)",
     binds_as_written=True,
     isolation="SERIALIZABLE",
 )

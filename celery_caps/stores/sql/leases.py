@@ -29,7 +29,7 @@ from sqlalchemy.engine import Connection, Engine
 from ...errors import StoreError
 from ..base import Admission, HistoryEvent, Lease, SlotStatus, SlotStore, mask_url, secret_parameter
 from .dialects import READ_COMMITTED, READ_ONLY_OPTION, create_engine, dialect_of, read_committed_engine
-from .schema import MAX_TASK_NAME_LENGTH, TABLE_NAME, concurrency_slots_history, metadata
+from .schema import HISTORY_TABLE_NAME, MAX_TASK_NAME_LENGTH, concurrency_slots_history, metadata
 from .statements import Statements, admission_params
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ BATCH = 500
 #: Expired rows the sweep deletes per transaction.
 SWEEP_BATCH = 1000
 _SCHEMA_ATTEMPTS = 5
+#: A column added to a table after its first release: a store created before gets it at start.
+_ADDED_COLUMN = "slot_limit"
 
 _T = TypeVar("_T")
 
@@ -152,19 +154,30 @@ class SQLLeaseStore(SlotStore):
         for attempt in range(1, _SCHEMA_ATTEMPTS + 1):
             try:
                 metadata.create_all(self._engine, checkfirst=True)
+                if _ADDED_COLUMN not in self._history_columns():
+                    with self._engine.begin() as connection:
+                        connection.exec_driver_sql(
+                            f"ALTER TABLE {HISTORY_TABLE_NAME} ADD COLUMN {_ADDED_COLUMN} INTEGER NULL"
+                        )
                 return
             except sa.exc.SQLAlchemyError as exc:
                 # Several workers may race to create it (SQLite may even answer "database is
-                # locked" at once); only a missing table is an error.  The check connects again,
-                # so an unreachable store fails it too.
+                # locked" at once); only a missing table or column is an error.  The check
+                # connects again, so an unreachable store fails it too.
                 try:
-                    if sa.inspect(self._engine).has_table(TABLE_NAME):
+                    inspector = sa.inspect(self._engine)
+                    if all(inspector.has_table(table.name) for table in metadata.sorted_tables) and (
+                        _ADDED_COLUMN in self._history_columns()
+                    ):
                         return
                 except sa.exc.SQLAlchemyError:
                     pass
                 if attempt == _SCHEMA_ATTEMPTS or not isinstance(exc, sa.exc.OperationalError):
                     raise self.store_error("creating the schema", exc) from exc
                 time.sleep(0.05 * attempt)
+
+    def _history_columns(self) -> set[str]:
+        return {column["name"] for column in sa.inspect(self._engine).get_columns(HISTORY_TABLE_NAME)}
 
     def schema_statements(self) -> list[str]:
         """The DDL of this schema version for this store's database, in order: what
@@ -243,14 +256,15 @@ class SQLLeaseStore(SlotStore):
         self.statements.execute_for_slots(connection, "lock_sentinels", len(slots), params)
 
     def _full_slots(self, connection: Connection, slots: Mapping[str, int], params: dict[str, Any]) -> list[str]:
-        """Count live holders (in a statement after the locks): the full slots, sorted (a slot the
-        task holds already is not full for it)."""
+        """Count live holders (in a statement after the locks) against each slot's limit, the
+        operator's if one is set, else ``slots``'s: the full slots, sorted (a slot the task holds
+        already is not full for it)."""
         return sorted(
             as_text(slot)
-            for slot, holders, holds_already in self.statements.execute_for_slots(
+            for slot, holders, holds_already, operator_limit in self.statements.execute_for_slots(
                 connection, "count_live", len(slots), params
             )
-            if not holds_already and holders >= slots[as_text(slot)]
+            if not holds_already and holders >= (operator_limit or slots[as_text(slot)])
         )
 
     def _insert_leases(self, connection: Connection, count: int, params: dict[str, Any]) -> None:
@@ -430,6 +444,32 @@ class SQLLeaseStore(SlotStore):
 
         return self._transaction(prune)
 
+    # -- limits set by operators --------------------------------------------------------------
+
+    def set_limit(self, name: str, limit: int | None) -> int | None:
+        params = {
+            "name": self.dialect.exact(name),
+            "limit": limit,
+            "pattern": self.statements.prefix_pattern(name + ":"),
+        }
+
+        def replace(connection: Connection) -> int | None:
+            self.statements.execute(connection, "lock_limited_sentinels", params).all()
+            previous = self.statements.execute(connection, "operator_limit_of", params).scalar()
+            self.statements.execute(connection, "delete_operator_limit", params)
+            if limit is not None:
+                self.statements.execute(connection, "insert_operator_limit", params)
+            return None if previous is None else int(previous)
+
+        return self._transaction(replace)
+
+    def limits(self) -> dict[str, int]:
+        return self._transaction(
+            lambda connection: {
+                as_text(name): int(limit) for name, limit in self.statements.execute(connection, "operator_limits")
+            }
+        )
+
     def record_history(self, events: Sequence[HistoryEvent], keep_seconds: float, max_events: int) -> None:
         if not events:
             return
@@ -445,6 +485,7 @@ class SQLLeaseStore(SlotStore):
                 "full_slots": json.dumps(list(event.full_slots)),
                 "started_at": event.started_at,
                 "deferrals": event.deferrals,
+                "slot_limit": event.limit,
             }
             for event in events
         ]
@@ -474,6 +515,7 @@ class SQLLeaseStore(SlotStore):
             table.c.holder,
             table.c.started_at,
             table.c.deferrals,
+            table.c.slot_limit,
         ).where(table.c.recorded_at >= since)
         if task_id is not None:
             query = query.where(table.c.task_id == self.dialect.exact(task_id))
@@ -491,8 +533,9 @@ class SQLLeaseStore(SlotStore):
                     holder=holder,
                     started_at=None if started_at is None else float(started_at),
                     deferrals=int(deferrals),
+                    limit=None if limit is None else int(limit),
                 )
-                for kind, at, event_task_id, task_name, slots, full_slots, holder, started_at, deferrals in (
+                for kind, at, event_task_id, task_name, slots, full_slots, holder, started_at, deferrals, limit in (
                     connection.execute(query)
                 )
             ]

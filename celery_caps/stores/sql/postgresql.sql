@@ -18,6 +18,20 @@ LANGUAGE sql VOLATILE AS $$
 $$
 ;
 
+-- The limit a slot's room is counted against: the operator's for the slot (celery caps limit),
+-- else for its cap, else p_limit (its sentinel's, or the admitting task's).  Called in a statement
+-- after the slot's lock, so that it reads every limit set before the lock was granted.  (A SQL
+-- function with sub-selects is never inlined: admission, every capped run's first call, writes
+-- the same two look-ups out instead of calling it.)
+CREATE OR REPLACE FUNCTION concurrency_slots_limit(p_slot text, p_limit integer) RETURNS integer
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(
+        (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = p_slot),
+        (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = split_part(p_slot, ':', 1)),
+        p_limit)
+$$
+;
+
 -- Admission, first step: lock the sentinels of p_slots (sorted) in slot order, creating missing
 -- ones with their limits.  ON CONFLICT DO UPDATE locks the existing row even when its WHERE is
 -- false, so an unchanged limit costs a lock, not a new row version.
@@ -45,7 +59,10 @@ BEGIN
                 SELECT 1 FROM concurrency_slots c
                 WHERE c.slot = u.slot AND c.task_id = p_task_id AND c.expires_at > p_now)
           AND (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
-               WHERE c.slot = u.slot AND c.expires_at > p_now) >= u.slot_limit);
+               WHERE c.slot = u.slot AND c.expires_at > p_now) >= coalesce(
+                   (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = u.slot),
+                   (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = split_part(u.slot, ':', 1)),
+                   u.slot_limit));
 END $$
 ;
 
@@ -87,7 +104,10 @@ BEGIN
                 SELECT 1 FROM concurrency_slots c
                 WHERE c.slot = u.slot AND c.task_id = p_task_id AND c.expires_at > v_now)
           AND (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
-               WHERE c.slot = u.slot AND c.expires_at > v_now) >= u.slot_limit;
+               WHERE c.slot = u.slot AND c.expires_at > v_now) >= coalesce(
+                   (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = u.slot),
+                   (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = split_part(u.slot, ':', 1)),
+                   u.slot_limit);
     IF cardinality(v_full) = 0 THEN
         INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
         SELECT p_run_id, u.slot, p_task_id, p_holder, v_now + p_lease_seconds, p_task_name, v_now
@@ -262,6 +282,11 @@ BEGIN
         v_limit_slots := v_limit_slots || v_more_slots;
         v_limit_values := v_limit_values || v_more_values;
     END IF;
+    -- The limits to count against, the operators' where set: read after the locks, in a statement
+    -- of its own (a fresh snapshot), so that a limit set before they were granted is seen.
+    v_limit_values := ARRAY(
+        SELECT concurrency_slots_limit(u.slot, u.slot_limit)
+        FROM unnest(v_limit_slots, v_limit_values) WITH ORDINALITY AS u(slot, slot_limit, n) ORDER BY u.n);
     v_now := concurrency_slots_now();
     -- One waiter's rows are adjacent in this order, read as they come (a long list is not read
     -- to its end); after the last row FETCH sets the f_ variables to NULL, which closes the last

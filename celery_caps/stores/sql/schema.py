@@ -1,4 +1,4 @@
-"""The SQL store's schema: four tables, one version.
+"""The SQL store's schema: five tables, one version.
 
 * ``concurrency_slots``: a **sentinel** row per slot name (``run_id = ''``, ``expires_at``
   NULL, the last limit seen in ``slot_limit``: the slot's limit, which admission and every
@@ -20,7 +20,11 @@
   the slot's sentinel lock; the steps that take entries off the list (a claim, a forget) take
   from it as their last statement, so that no transaction holding its row waits for another.
 * ``concurrency_slots_history``: an optional, bounded record of put-backs and finished runs
-  for ``celery caps explain`` and ``timeline``, written in batches off the admission path.
+  for ``celery caps explain`` and ``timeline``, written in batches off the admission path, and
+  of the limits operators set.
+* ``concurrency_limits``: the limits operators set (``celery caps limit``), by cap name (all its
+  slots) or slot name; a slot's room is counted against its own row, else its cap's, else its
+  sentinel's ``slot_limit``, in every admission and hand-over, after the slot's lock.
 
 There is one schema version before the first release: the store creates what is missing
 (``caps_create_schema``); for your own migrations, include :data:`metadata` (Alembic).
@@ -84,7 +88,7 @@ concurrency_slots_history = sa.Table(
     metadata,
     sa.Column("id", sa.BigInteger().with_variant(sa.Integer(), "sqlite"), primary_key=True, autoincrement=True),
     sa.Column("recorded_at", sa.Double(), nullable=False, comment="epoch seconds, recording worker's clock"),
-    sa.Column("kind", sa.String(16), nullable=False, comment="'deferred' or 'ran'"),
+    sa.Column("kind", sa.String(16), nullable=False, comment="'deferred', 'ran' or 'limit'"),
     sa.Column("task_id", _exact_text(MAX_TASK_ID_LENGTH), nullable=False),
     sa.Column("task_name", sa.String(MAX_TASK_NAME_LENGTH), nullable=True),
     sa.Column("holder", sa.String(255), nullable=False, server_default=""),
@@ -92,6 +96,7 @@ concurrency_slots_history = sa.Table(
     sa.Column("full_slots", sa.Text(), nullable=False, comment="JSON list of slot names"),
     sa.Column("started_at", sa.Double(), nullable=True),
     sa.Column("deferrals", sa.Integer(), nullable=False, server_default="0"),
+    sa.Column("slot_limit", sa.Integer(), nullable=True, comment="'limit': the limit set (NULL: reset)"),
     sa.Index("ix_concurrency_slots_history_recorded_at", "recorded_at"),
     sa.Index("ix_concurrency_slots_history_task_id", "task_id"),
 )
@@ -170,4 +175,14 @@ concurrency_waitlists = sa.Table(
     metadata,
     sa.Column("slot", _exact_text(MAX_SLOT_LENGTH), primary_key=True),
     sa.Column("entries", sa.Integer(), nullable=False, comment="entries of the slot's list not yet settled"),
+)
+
+LIMITS_TABLE_NAME = "concurrency_limits"
+
+concurrency_limits = sa.Table(
+    LIMITS_TABLE_NAME,
+    metadata,
+    sa.Column("name", _exact_text(MAX_SLOT_LENGTH), primary_key=True, comment="a cap (all its slots) or a slot name"),
+    sa.Column("slot_limit", sa.Integer(), nullable=False),
+    sa.Column("set_at", sa.Double(), nullable=False, comment="store-clock epoch seconds"),
 )

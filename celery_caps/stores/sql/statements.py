@@ -2,7 +2,9 @@
 
 ``{now}`` in a template is the dialect's clock (:attr:`Dialect.now`), ``{for_update}`` and
 ``{skip_locked}`` its row locks, ``{slot_starts_with}`` the condition that ``slot`` starts with a
-prefix, exactly and case included (its ``:pattern`` is :meth:`Statements.prefix_pattern`);
+prefix, exactly and case included (its ``:pattern`` is :meth:`Statements.prefix_pattern`),
+``{limit_s}`` the limit of the sentinel ``s``: the operator's (:func:`operator_limit`), else its own,
+``{several_index}`` the hint that names ix_concurrency_waiters_several where a planner needs it;
 ``:slots``, ``:task_ids``, ``:run_ids`` and ``:task_names`` are lists (expanding binds).
 ``:deployment`` is the handle's deployment (:attr:`.SlotStore.deployment`): every statement of a
 walk, a recovery or a readmit reads only the waiting entries of that deployment, which alone
@@ -37,9 +39,11 @@ if TYPE_CHECKING:
 
 #: Count live holders, in a statement after the sentinel locks (its snapshot postdates them):
 #: per slot, the holders and whether the task is one of them.
+# Per slot of :s0.. with live leases: its live holders, whether :task_id is one, and the limit an
+# operator set for it or its cap (NULL: the code's holds).  Run after the sentinel locks.
 COUNT_LIVE = (
-    "SELECT slot, COUNT(DISTINCT task_id), MAX(CASE WHEN task_id = :task_id THEN 1 ELSE 0 END) "
-    "FROM concurrency_slots WHERE slot IN ({slots}) AND expires_at > {now} GROUP BY slot"
+    "SELECT c.slot, COUNT(DISTINCT c.task_id), MAX(CASE WHEN c.task_id = :task_id THEN 1 ELSE 0 END), "
+    "{operator_limit_c} FROM concurrency_slots c WHERE c.slot IN ({slots}) AND c.expires_at > {now} GROUP BY c.slot"
 )
 SENTINEL_ROW = "('', :s{i}, '', '', :l{i})"
 LEASE_ROW = "(:run_id, :s{i}, :task_id, :holder, {now} + :lease_seconds, :task_name, {now})"
@@ -235,23 +239,66 @@ TEMPLATES: dict[str, str] = {
     # part of :deployment for a waiting entry.)
     "slots_with_room": (
         "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
-        "WHERE n.slot IN :slots AND n.entries > 0 AND s.slot_limit > (SELECT COUNT(DISTINCT c.task_id) "
+        "WHERE n.slot IN :slots AND n.entries > 0 AND {limit_s} > (SELECT COUNT(DISTINCT c.task_id) "
         "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
         "AND w.dispatch_run_id IS NULL "
         "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+    ),
+    # The slots with room, as above, of one cap (the slot named like it and its keys'): one
+    # read, however many of its keys wait (recovery of some caps, when nothing is due).
+    "cap_slots_with_room": (
+        "SELECT n.slot FROM (SELECT slot FROM concurrency_waitlists WHERE (slot = :cap OR {slot_starts_with}) "
+        "AND entries > 0) n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
+        "WHERE {limit_s} > (SELECT COUNT(DISTINCT c.task_id) "
+        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+        "AND w.dispatch_run_id IS NULL "
+        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+    ),
+    # The slots with room, as above, with a listed entry of :deployment of the tasks named.
+    "named_slots_with_room": (
+        "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
+        "WHERE n.entries > 0 AND {limit_s} > (SELECT COUNT(DISTINCT c.task_id) "
+        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+        "AND w.dispatch_run_id IS NULL "
+        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL AND ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+        "AND w.task_name IN :task_names AND w.done_until IS NULL "
+        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+    ),
+    # The other slots of the (rare) listed entries of :deployment of several slots that wait for a
+    # slot of one cap (ix_concurrency_waiters_several; SQLite is told so: with a prefix to match,
+    # it chose ix_concurrency_waiters_first_deferred, every entry of the deployment).
+    "several_listed_slots_of_cap": (
+        "SELECT DISTINCT slot FROM concurrency_waiters WHERE done_until IS NULL AND task_id IN "
+        "(SELECT task_id FROM concurrency_waiters{several_index} WHERE (slot = :cap OR {slot_starts_with}) "
+        "AND deployment = :deployment AND slot_count > 1 AND done_until IS NULL)"
     ),
     "all_slots_with_room": (
         "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
-        "WHERE n.entries > 0 AND s.slot_limit > (SELECT COUNT(DISTINCT c.task_id) "
+        "WHERE n.entries > 0 AND {limit_s} > (SELECT COUNT(DISTINCT c.task_id) "
         "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
         "AND w.dispatch_run_id IS NULL "
         "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
-    # The limits of :slots, their sentinels' (a dispatch counts against these, never against the
-    # limits its waiters were parked under).
-    "slot_limits": "SELECT slot, slot_limit FROM concurrency_slots WHERE run_id = '' AND slot IN :slots",
+    # The limits of :slots: the operators', else their sentinels' (a dispatch counts against
+    # these, never against the limits its waiters were parked under).
+    "slot_limits": "SELECT s.slot, {limit_s} FROM concurrency_slots s WHERE s.run_id = '' AND s.slot IN :slots",
+    # The limits operators set (celery caps limit), by cap or slot name.
+    "operator_limits": "SELECT name, slot_limit FROM concurrency_limits ORDER BY name",
+    "operator_limit_of": "SELECT slot_limit FROM concurrency_limits WHERE name = :name",
+    # Before a limit is set: the sentinels it applies to (the slot :name, or the cap :name's),
+    # locked in slot order as admission locks them, so that every admission counting under the
+    # old limit has committed first and every later one reads the new limit after its lock.
+    "lock_limited_sentinels": (
+        "SELECT slot FROM concurrency_slots WHERE run_id = '' AND (slot = :name OR {slot_starts_with}) "
+        "ORDER BY slot{for_update}"
+    ),
+    "delete_operator_limit": "DELETE FROM concurrency_limits WHERE name = :name",
+    "insert_operator_limit": "INSERT INTO concurrency_limits (name, slot_limit, set_at) VALUES (:name, :limit, {now})",
     # The waiters of :deployment of :slots in their order, a batch at a time (keyset: from the row
     # ordered at :first/:parked/:task_id on).  Every row of one waiter has the same order key, so
     # a waiter's rows are adjacent.
@@ -383,8 +430,9 @@ class Statements:
                 now=dialect.now,
                 for_update=dialect.for_update,
                 skip_locked=dialect.for_update_skip_locked,
-                cap_of_slot=dialect.cap_of_slot,
+                limit_s=f"COALESCE({operator_limit(dialect, 's.slot')}, s.slot_limit)",
                 slot_starts_with=_SLOT_STARTS_WITH.get(dialect.name, _SLOT_LIKE),
+                several_index=_SEVERAL_INDEX.get(dialect.name, ""),
             )
         )
 
@@ -427,9 +475,23 @@ class Statements:
             }[kind]
             values = ", ".join(row.format(i=i, now=dialect.now) for i in range(count))
             slots = ", ".join(f":s{i}" for i in range(count))
-            prepared = self._prepare(template.format(values=values, slots=slots, now=dialect.now))
+            prepared = self._prepare(
+                template.format(
+                    values=values, slots=slots, now=dialect.now, operator_limit_c=operator_limit(dialect, "c.slot")
+                )
+            )
             self._by_count[(kind, count)] = prepared
         return _run(connection, prepared, params)
+
+
+def operator_limit(dialect: Dialect, slot: str) -> str:
+    """SQL for the limit an operator set for the slot named by the column ``slot``: the slot's
+    own row of ``concurrency_limits``, else its cap's; NULL if neither."""
+    cap = dialect.cap_of_slot.format(slot=slot)
+    return (
+        f"COALESCE((SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = {slot}), "
+        f"(SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = {cap}))"
+    )
 
 
 def _run(
@@ -463,6 +525,7 @@ def admission_params(
 # its GLOB does not (and, on the primary key's BINARY collation, can use its index).
 _SLOT_LIKE = "slot LIKE :pattern ESCAPE '/'"
 _SLOT_STARTS_WITH = {"sqlite": "slot GLOB :pattern"}
+_SEVERAL_INDEX = {"sqlite": " INDEXED BY ix_concurrency_waiters_several"}
 
 
 def _like_prefix(prefix: str) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -358,6 +358,54 @@ class SQLStore(SQLLeaseStore, ParkingStore):
 
         return self._transaction(forget)
 
+    def _recovery_scope(
+        self, connection: Connection, cap_names: Sequence[str], names: Sequence[str]
+    ) -> tuple[set[str], set[str]]:
+        """A scoped recovery's slots, of this deployment's listed entries: those of the caps
+        ``cap_names`` (a cap: its slot and its keys'; a slot name: that slot alone), and every slot
+        considered: those, the other slots of their (rare) entries of several slots, and the slots
+        with entries of the tasks named ``names``."""
+        statements, own = self.statements, self._own
+        cap_slots: set[str] = set()
+        for cap in cap_names:
+            if ":" in cap:
+                rows = statements.execute(connection, "listed_slot", {"cap": cap, **own})
+            else:
+                rows = statements.execute(connection, "cap_slots", {**self._cap_pattern(cap), **own})
+            cap_slots.update(as_text(row[0]) for row in rows)
+        considered = set(cap_slots)
+        if cap_slots:
+            considered |= self._names(connection, "several_listed_slots", "slots", cap_slots, own)
+        if names:
+            considered |= self._names(connection, "named_slots", "task_names", names, own)
+        return cap_slots, considered
+
+    def _room_in_scope(self, connection: Connection, cap_names: Sequence[str], names: Sequence[str]) -> set[str]:
+        """The slots of a scoped recovery (:meth:`_recovery_scope`) with waiting entries of this
+        deployment and room for one, found without listing the caps' keys: a pass with nothing
+        to do costs a few reads, not one name per key that waits."""
+        statements, own = self.statements, self._own
+        room: set[str] = set()
+        for cap in cap_names:
+            if ":" in cap:
+                room |= self._names(connection, "slots_with_room", "slots", [cap], own)
+                several = self._names(connection, "several_listed_slots", "slots", [cap], own)
+            else:
+                pattern = {**self._cap_pattern(cap), **own}
+                room.update(as_text(row[0]) for row in statements.execute(connection, "cap_slots_with_room", pattern))
+                rows = statements.execute(connection, "several_listed_slots_of_cap", pattern)
+                several = {as_text(row[0]) for row in rows}
+            if several:
+                room |= self._names(connection, "slots_with_room", "slots", several, own)
+        if names:
+            rows = statements.execute(connection, "named_slots_with_room", {"task_names": names, **own})
+            room.update(as_text(row[0]) for row in rows)
+        return room
+
+    def _cap_pattern(self, cap: str) -> dict[str, Any]:
+        """The parameters of a statement on the slot ``cap`` and its keys'."""
+        return {"cap": cap, "pattern": self.statements.prefix_pattern(cap + ":")}
+
     def recover(
         self,
         dispatch_lease_seconds: float,
@@ -374,39 +422,30 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         statements = self.statements
 
         def recover(connection: Connection) -> list[Woken]:
-            # The entries considered, of this deployment alone: every listed one, or (scoped) those
-            # waiting for a slot of ``caps`` and those of the tasks named in ``task_names``.
             own = self._own
-            of_slots: dict[str, Any] = {}
-            considered: set[str] | None = None  # the slots they need (None: every slot)
-            if scoped:
-                cap_slots: set[str] = set()
-                for cap in cap_names:
-                    # A cap: its slot and its keys'; a slot name (it has a ':'): that slot alone.
-                    if ":" in cap:
-                        rows = statements.execute(connection, "listed_slot", {"cap": cap, **own})
-                    else:
-                        pattern = {"cap": cap, "pattern": statements.prefix_pattern(cap + ":"), **own}
-                        rows = statements.execute(connection, "cap_slots", pattern)
-                    cap_slots.update(as_text(row[0]) for row in rows)
-                # The caps' slots, the other slots of their (rare) entries of several slots, and the
-                # slots with entries of the tasks named: no read walks a whole list.
-                considered = set(cap_slots)
-                if cap_slots:
-                    considered |= self._names(connection, "several_listed_slots", "slots", cap_slots, own)
-                if names:
-                    considered |= self._names(connection, "named_slots", "task_names", names, own)
-                if not considered:
-                    return []
-                of_slots = {"slots": sorted(cap_slots), "task_names": names}
+            # What a scoped pass considers, read only when something is due or has room: the
+            # caps' slots with listed entries (one per waiting key) and every slot considered.
+            scope: list[tuple[set[str], set[str]]] = []
+
+            def in_scope() -> tuple[set[str], set[str]]:
+                if not scope:
+                    scope.append(self._recovery_scope(connection, cap_names, names))
+                return scope[0]
+
+            def of_slots() -> dict[str, Any]:
+                return {"slots": sorted(in_scope()[0]), "task_names": names}
+
             # Dispatches past their deadline wait again at their place: their leases first, as a
             # claim takes them, one dispatch after the other in task order (so concurrent
             # recoveries never wait for each other in a circle).
-            expired = "expired_dispatches_of" if scoped else "expired_dispatches"
             now, deadline = statements.execute(connection, "next_dispatch_deadline", own).one()
             due: Sequence[Any] = []
             if deadline is not None and deadline <= now:
-                due = statements.execute(connection, expired, {**of_slots, **own, "now": now}).all()
+                if not scoped:
+                    due = statements.execute(connection, "expired_dispatches", {**own, "now": now}).all()
+                elif in_scope()[1]:
+                    params = {**of_slots(), **own, "now": now}
+                    due = statements.execute(connection, "expired_dispatches_of", params).all()
             # A task whose every dispatch passed its deadline unclaimed is readmitted at once (its
             # copy holds no slot), the longer the more it missed.
             missed: list[tuple[str, float]] = []
@@ -421,16 +460,19 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 None if readmit_before is None else statements.execute(connection, "first_waiting_since", own).scalar()
             )
             if readmit_before is not None and first is not None and first < readmit_before:
-                statement = "overdue_of" if scoped else "overdue"
-                rows = statements.execute(connection, statement, {"before": readmit_before, **of_slots, **own})
+                rows: Iterable[Any] = ()
+                if not scoped:
+                    rows = statements.execute(connection, "overdue", {"before": readmit_before, **own})
+                elif in_scope()[1]:
+                    rows = statements.execute(connection, "overdue_of", {"before": readmit_before, **of_slots(), **own})
                 overdue = [as_text(row[0]) for row in rows]
             # The slots where a waiter may fit (read without locks: a slot that gains room after
             # this read is served by its release, or by the next recovery), and the other slots
             # their waiters need.
-            if considered is None:
-                room = {as_text(row[0]) for row in statements.execute(connection, "all_slots_with_room", own)}
+            if scoped:
+                room = self._room_in_scope(connection, cap_names, names)
             else:
-                room = self._names(connection, "slots_with_room", "slots", considered, own)
+                room = {as_text(row[0]) for row in statements.execute(connection, "all_slots_with_room", own)}
             walked = room | self._waiting_slots(connection, room)
             # Every sentinel at once, in slot order: readmits and dispatches change waiting entries
             # only under the locks of their slots, as a release's dispatches do.
@@ -441,7 +483,8 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             woken = self._readmit(connection, readmitted)
             if room:
                 walk = [slot for slot in locked if slot in walked]
-                woken += self._dispatch(connection, walk, dispatch_lease_seconds, touching=considered)
+                touching = in_scope()[1] if scoped else None
+                woken += self._dispatch(connection, walk, dispatch_lease_seconds, touching=touching)
             return woken
 
         return self._transaction(recover)
