@@ -30,6 +30,7 @@ from tests.unit.test_stores import (
     LONG_LEASE,
     SHORT_LEASE,
     admit,
+    lapse,
     listed,
     park,
     parking_store,
@@ -143,10 +144,10 @@ def test_a_recovery_walk_passes_over_an_older_waiter_of_another_deployment(
     production: SlotStore, staging: SlotStore, prefix: str, scoped: bool
 ) -> None:
     slot = f"{prefix}quota"
-    admit(staging, {slot: 1}, f"{prefix}staging-run", lease_seconds=SHORT_LEASE)
+    holder = admit(staging, {slot: 1}, f"{prefix}staging-run")
     assert park(production, {slot: 1}, f"{prefix}production-task", 1.0) == ParkOutcome.PARKED
     assert park(staging, {slot: 1}, f"{prefix}staging-task", 2.0) == ParkOutcome.PARKED
-    wait_until_expired(staging, [lease.run_id for lease in staging.leases(slot)])
+    lapse(staging, [holder])
     woken = staging.recover(DISPATCH_LEASE, caps=[slot] if scoped else None)
     assert [w.task_id for w in woken] == [f"{prefix}staging-task"]
     assert listed(production, slot) == [(f"{prefix}production-task", False), (f"{prefix}staging-task", True)]
@@ -159,11 +160,11 @@ def test_a_recovery_by_task_name_serves_only_its_own_deployments_entries(
     # Given: tasks of one name, production's and staging's, wait in a slot whose holder is gone
     # (for the walk) or holds it (the readmits)
     slot = f"{prefix}quota"
-    admit(staging, {slot: 1}, f"{prefix}staging-run", lease_seconds=LONG_LEASE if readmit else SHORT_LEASE)
+    holder = admit(staging, {slot: 1}, f"{prefix}staging-run")
     assert park(production, {slot: 1}, f"{prefix}production-task", 1.0) == ParkOutcome.PARKED
     assert park(staging, {slot: 1}, f"{prefix}staging-task", 2.0) == ParkOutcome.PARKED
     if not readmit:
-        wait_until_expired(staging, [lease.run_id for lease in staging.leases(slot)])
+        lapse(staging, [holder])
     # When: staging's workers recover the tasks they know by name (no cap of theirs has waiters)
     overdue = time.time() if readmit else None
     woken = staging.recover(DISPATCH_LEASE, caps=[f"{prefix}other"], task_names=["t.parked"], readmit_before=overdue)

@@ -29,6 +29,7 @@ from tests.unit.test_stores import (
     HOLDER,
     SHORT_LEASE,
     admit,
+    lapse,
     listed,
     park,
     parking_store,
@@ -111,10 +112,10 @@ def test_a_recovery_walk_passes_over_an_older_waiter_of_another_deployment(
     # Given: the holder of a slot died (its lease expired) while a production task and, after
     # it, a staging task wait for the slot
     slot = f"{prefix}quota"
-    admit(staging, {slot: 1}, f"{prefix}staging-run", lease_seconds=SHORT_LEASE)
+    holder = admit(staging, {slot: 1}, f"{prefix}staging-run")
     assert park(production, {slot: 1}, f"{prefix}production-task", 1.0) == ParkOutcome.PARKED
     assert park(staging, {slot: 1}, f"{prefix}staging-task", 2.0) == ParkOutcome.PARKED
-    wait_until_expired(staging, [lease.run_id for lease in staging.leases(slot)])
+    lapse(staging, [holder])
     # When: staging's workers recover
     woken = staging.recover(DISPATCH_LEASE, caps=[slot] if scoped else None)
     # Then: they hand the slot to staging's waiter, passing production's over

@@ -20,6 +20,7 @@ from tests.unit.test_stores import (
     LONG_LEASE,
     SHORT_LEASE,
     admit,
+    lapse,
     listed,
     new_run_id,
     park,
@@ -200,9 +201,9 @@ def test_recovery_serves_the_waiters_of_a_task_it_knows_whose_cap_was_renamed(st
     # Given: tasks of "t.parked" wait for cap <prefix>old, whose holder died (its lease expires)
     store = parking_store(store)
     old = f"{prefix}old"
-    admit(store, {old: 1}, f"{prefix}running", lease_seconds=SHORT_LEASE)
+    holder = admit(store, {old: 1}, f"{prefix}running")
     assert park(store, {old: 1}, f"{prefix}t", 1.0) == ParkOutcome.PARKED
-    wait_until_expired(store, [lease.run_id for lease in store.leases(old)])
+    lapse(store, [holder])
     # When: the fleet's new code calls the cap <prefix>new: its recovery names that cap only ...
     assert store.recover(DISPATCH_LEASE, caps=[f"{prefix}new"]) == []
     # ... and the tasks it knows: the waiter is served
@@ -211,9 +212,9 @@ def test_recovery_serves_the_waiters_of_a_task_it_knows_whose_cap_was_renamed(st
     assert {lease.holder for lease in store.leases(old) if lease.expires_in > 0} == {DISPATCH_HOLDER}
     # Another app's tasks (names it does not know) stay where they are
     other = f"{prefix}other"
-    admit(store, {other: 1}, f"{prefix}other-running", lease_seconds=SHORT_LEASE)
+    other_holder = admit(store, {other: 1}, f"{prefix}other-running")
     assert park(store, {other: 1}, f"{prefix}u", 1.0) == ParkOutcome.PARKED
-    wait_until_expired(store, [lease.run_id for lease in store.leases(other)])
+    lapse(store, [other_holder])
     assert store.recover(DISPATCH_LEASE, caps=[f"{prefix}new"], task_names=["t.unknown"]) == []
     assert store.recover(DISPATCH_LEASE, caps=[], task_names=[]) == []
 

@@ -16,7 +16,14 @@ import pytest
 
 from celery_caps.stores.base import ParkOutcome, SlotStore
 from tests.services import StoreTarget
-from tests.unit.test_stores import DISPATCH_LEASE, SHORT_LEASE, admit, listed, park, parking_store, wait_until_expired
+from tests.unit.test_stores import (
+    DISPATCH_LEASE,
+    admit,
+    lapse,
+    listed,
+    park,
+    parking_store,
+)
 
 
 @pytest.fixture
@@ -64,9 +71,9 @@ def test_recovery_serves_only_its_own_deployments_waiters(
 ) -> None:
     # Given: a production task waits for a slot whose holder's lease expired
     slot = f"{prefix}quota"
-    admit(staging, {slot: 1}, f"{prefix}staging-run", lease_seconds=SHORT_LEASE)
+    holder = admit(staging, {slot: 1}, f"{prefix}staging-run")
     assert park(production, {slot: 1}, f"{prefix}production-task", 1.0) == ParkOutcome.PARKED
-    wait_until_expired(staging, [lease.run_id for lease in staging.leases(slot)])
+    lapse(staging, [holder])
     # When: staging's workers recover, scoped to the cap both deployments declare
     # Then: they leave production's waiter alone; production's recovery hands it the slot
     assert staging.recover(DISPATCH_LEASE, caps=[slot]) == []
