@@ -48,6 +48,20 @@ COUNT_LIVE = (
 SENTINEL_ROW = "('', :s{i}, '', '', :l{i})"
 LEASE_ROW = "(:run_id, :s{i}, :task_id, :holder, {now} + :lease_seconds, :task_name, {now})"
 
+#: Room for a waiter in the slot of a waiting list ``n``, its sentinel ``s`` joined: fewer live
+#: holders than the slot's limit, and a waiting entry of :deployment (a look at the first rows of
+#: its list's part of :deployment).  The recovery reads of slots with room share it.
+_ROOM_FOR_A_WAITER = (
+    "{limit_s} > (SELECT COUNT(DISTINCT c.task_id) "
+    "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
+    "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+    "AND w.dispatch_run_id IS NULL "
+    "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+)
+_LISTS_AND_SENTINELS = (
+    "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
+)
+
 # -- leases -------------------------------------------------------------------------------------
 
 TEMPLATES: dict[str, str] = {
@@ -237,33 +251,16 @@ TEMPLATES: dict[str, str] = {
     # locks these).  (One row per slot with a list, its sentinel by the primary key, its live
     # holders through ix_concurrency_slots_slot_expiry, and a look at the first rows of its list's
     # part of :deployment for a waiting entry.)
-    "slots_with_room": (
-        "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
-        "WHERE n.slot IN :slots AND n.entries > 0 AND {limit_s} > (SELECT COUNT(DISTINCT c.task_id) "
-        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
-        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
-        "AND w.dispatch_run_id IS NULL "
-        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
-    ),
+    "slots_with_room": (_LISTS_AND_SENTINELS + "WHERE n.slot IN :slots AND n.entries > 0 AND " + _ROOM_FOR_A_WAITER),
     # The slots with room, as above, of one cap (the slot named like it and its keys'): one
     # read, however many of its keys wait (recovery of some caps, when nothing is due).
     "cap_slots_with_room": (
         "SELECT n.slot FROM (SELECT slot FROM concurrency_waitlists WHERE (slot = :cap OR {slot_starts_with}) "
-        "AND entries > 0) n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
-        "WHERE {limit_s} > (SELECT COUNT(DISTINCT c.task_id) "
-        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
-        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
-        "AND w.dispatch_run_id IS NULL "
-        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+        "AND entries > 0) n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot WHERE " + _ROOM_FOR_A_WAITER
     ),
     # The slots with room, as above, with a listed entry of :deployment of the tasks named.
     "named_slots_with_room": (
-        "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
-        "WHERE n.entries > 0 AND {limit_s} > (SELECT COUNT(DISTINCT c.task_id) "
-        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
-        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
-        "AND w.dispatch_run_id IS NULL "
-        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL AND ("
+        _LISTS_AND_SENTINELS + "WHERE n.entries > 0 AND " + _ROOM_FOR_A_WAITER + " AND ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
         "AND w.task_name IN :task_names AND w.done_until IS NULL "
         "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
@@ -276,14 +273,7 @@ TEMPLATES: dict[str, str] = {
         "(SELECT task_id FROM concurrency_waiters{several_index} WHERE (slot = :cap OR {slot_starts_with}) "
         "AND deployment = :deployment AND slot_count > 1 AND done_until IS NULL)"
     ),
-    "all_slots_with_room": (
-        "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
-        "WHERE n.entries > 0 AND {limit_s} > (SELECT COUNT(DISTINCT c.task_id) "
-        "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
-        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
-        "AND w.dispatch_run_id IS NULL "
-        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
-    ),
+    "all_slots_with_room": (_LISTS_AND_SENTINELS + "WHERE n.entries > 0 AND " + _ROOM_FOR_A_WAITER),
     # The limits of :slots: the operators', else their sentinels' (a dispatch counts against
     # these, never against the limits its waiters were parked under).
     "slot_limits": "SELECT s.slot, {limit_s} FROM concurrency_slots s WHERE s.run_id = '' AND s.slot IN :slots",
