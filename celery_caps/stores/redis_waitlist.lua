@@ -204,6 +204,15 @@ local function bytes_less(a, b)
   return #a < #b
 end
 
+-- Whether waiting-list entry a ({member, score}) comes before b: the older first, then by the
+-- member's bytes (the order of a sorted set's members of one score).
+local function entry_before(a, b)
+  if a.score ~= b.score then
+    return a.score < b.score
+  end
+  return bytes_less(a.member, b.member)
+end
+
 -- Take an entry off the waiting list: its member in each slot's list (and its deployment's),
 -- its record, its payload, its dispatch, its deployment.
 local function remove_waiter(prefix, keys, task_id, record)
@@ -316,12 +325,7 @@ local function readmit_members(prefix, runs_key, expiry_key, keys, members, now,
       end
     end
   end
-  table.sort(entries, function(a, b)
-    if a.score ~= b.score then
-      return a.score < b.score
-    end
-    return bytes_less(a.member, b.member)
-  end)
+  table.sort(entries, entry_before)
   for _, entry in ipairs(entries) do
     local task_id = waiter_task_id(entry.member)
     local record = read_waiter(keys.waiting, task_id)
@@ -405,12 +409,6 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
   -- pushed (that entry was seen through another list) is pushed again by its new head; a closed
   -- one is dropped when it comes up.
   local heap = {}
-  local function earlier(a, b)
-    if a.score ~= b.score then
-      return a.score < b.score
-    end
-    return bytes_less(a.member, b.member)
-  end
   local function push_head(cursor)
     local member, score = head(cursor)
     if member == nil then
@@ -422,7 +420,7 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
     heap[i] = item
     while i > 1 do
       local parent = math.floor(i / 2)
-      if not earlier(heap[i], heap[parent]) then
+      if not entry_before(heap[i], heap[parent]) then
         break
       end
       heap[i], heap[parent] = heap[parent], heap[i]
@@ -437,10 +435,10 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
       local i = 1
       while true do
         local left, right, first = 2 * i, 2 * i + 1, i
-        if left <= #heap and earlier(heap[left], heap[first]) then
+        if left <= #heap and entry_before(heap[left], heap[first]) then
           first = left
         end
-        if right <= #heap and earlier(heap[right], heap[first]) then
+        if right <= #heap and entry_before(heap[right], heap[first]) then
           first = right
         end
         if first == i then

@@ -14,6 +14,7 @@ deployment's entries: the others keep their place, for their own deployment to d
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Sequence
@@ -425,12 +426,9 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             own = self._own
             # What a scoped pass considers, read only when something is due or has room: the
             # caps' slots with listed entries (one per waiting key) and every slot considered.
-            scope: list[tuple[set[str], set[str]]] = []
-
+            @functools.cache
             def in_scope() -> tuple[set[str], set[str]]:
-                if not scope:
-                    scope.append(self._recovery_scope(connection, cap_names, names))
-                return scope[0]
+                return self._recovery_scope(connection, cap_names, names)
 
             def of_slots() -> dict[str, Any]:
                 return {"slots": sorted(in_scope()[0]), "task_names": names}
