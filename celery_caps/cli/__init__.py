@@ -629,7 +629,11 @@ def limit(ctx: click.Context, name: str, new_limit: int | None, reset: bool) -> 
     user = _operator_name()
     change = guard(lambda: change_limit(operator, name, new_limit, operator.caps, by=user))
     was = f"{change.previous} (set)" if change.previous is not None else "the code's"
-    now = f"{change.limit}" if change.limit is not None else "the code's"
+    if change.limit is not None:
+        now = str(change.limit)
+    else:  # reset: the limit in force now (the operator's limits are read after the change)
+        value, _code, set_for = _limit_in_force(operator, name)
+        now = f"{value} (set for {set_for})" if set_for is not None else f"{value} (the code's)"
     click.echo(f"{name}: limit {now}, was {was}; every worker counts against it from now on")
     if change.woken:
         click.echo(f"dispatched {len(change.woken)} waiting task(s) into the room it leaves")
@@ -648,20 +652,32 @@ def _operator_name() -> str:
     return f"caps limit by {user}@{socket.gethostname()}"
 
 
-def _show_limit(operator: Operator, name: str) -> None:
+def _limit_in_force(operator: Operator, name: str) -> tuple[str, str, str | None]:
+    """The limit admission counts ``name`` (a cap or one key of one) against, the code's limit of
+    its cap, and the name an operator set the limit for (``name`` itself or its cap; None: the
+    code's holds)."""
     cap = name.partition(":")[0]
-    set_by_operator = operator.operator_limits().get(name)
     info = operator.caps[cap]
     code = str(info.limit) if info.limit is not None else f"per key ({', '.join(info.limit_functions)})"
-    if set_by_operator is not None:
-        click.echo(f"{name}: limit {set_by_operator}, set by an operator (code: {code})")
-    elif name != cap and operator.operator_limits().get(cap) is not None:
-        click.echo(f"{name}: limit {operator.operator_limits()[cap]}, set by an operator for {cap} (code: {code})")
+    limits = operator.operator_limits()
+    for set_for in (name, cap):
+        if set_for in limits:
+            return str(limits[set_for]), code, set_for
+    return code, code, None
+
+
+def _show_limit(operator: Operator, name: str) -> None:
+    cap = name.partition(":")[0]
+    value, code, set_for = _limit_in_force(operator, name)
+    if set_for == name:
+        click.echo(f"{name}: limit {value}, set by an operator (code: {code})")
+    elif set_for is not None:
+        click.echo(f"{name}: limit {value}, set by an operator for {set_for} (code: {code})")
     else:
         click.echo(f"{name}: limit {code}, from code")
-    keys = sorted(key for key in operator.operator_limits() if name == cap and key.startswith(cap + ":"))
-    for key in keys:
-        click.echo(f"  {key}: {operator.operator_limits()[key]}, set by an operator")
+    limits = operator.operator_limits()
+    for key in sorted(key for key in limits if name == cap and key.startswith(cap + ":")):
+        click.echo(f"  {key}: {limits[key]}, set by an operator")
     events = [
         event
         for event in guard(lambda: operator.store.history(0.0))

@@ -673,7 +673,7 @@ def test_limit_overrides_the_code_shows_where_it_comes_from_and_resets(
     result = run(app, "limit", email, "--reset")
     assert (
         result.output.splitlines()[0]
-        == f"{email}: limit the code's, was 1 (set); every worker counts against it from now on"
+        == f"{email}: limit 3 (the code's), was 1 (set); every worker counts against it from now on"
     )
     assert email not in store.limits()
     assert run(app, "limit", email).output.splitlines()[0] == f"{email}: limit 3, from code"
@@ -708,6 +708,14 @@ def test_limit_of_one_key_beats_its_caps_and_a_raise_wakes_the_waiters(
     assert limits[acme] == (3, "operator")
     [line] = [line for line in report["caps"] if line["cap"] == tenant]
     assert (line["limit"], line["keys_with_limits_set"]) == (2, 1)
+    # ... and once the key's is reset, the cap's holds for it (not the code's), and both say so
+    result = run(app, "limit", acme, "--reset")
+    assert result.output.splitlines()[0] == (
+        f"{acme}: limit 2 (set for {tenant}), was 3 (set); every worker counts against it from now on"
+    )
+    assert (
+        run(app, "limit", acme).output.splitlines()[0] == f"{acme}: limit 2, set by an operator for {tenant} (code: 1)"
+    )
 
 
 @pytest.mark.parametrize(

@@ -424,6 +424,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
 
         def recover(connection: Connection) -> list[Woken]:
             own = self._own
+
             # What a scoped pass considers, read only when something is due or has room: the
             # caps' slots with listed entries (one per waiting key) and every slot considered.
             @functools.cache
