@@ -21,6 +21,8 @@ MAX_NAME_LENGTH = 100
 MAX_KEY_LENGTH = 150
 #: Longest slot name (``name:key``); stores size their columns for it.
 MAX_SLOT_LENGTH = MAX_NAME_LENGTH + 1 + MAX_KEY_LENGTH
+#: Largest limit, in code or set by an operator: what every store keeps (a SQL INTEGER).
+MAX_LIMIT = 2**31 - 1
 
 # Control characters (NUL above all) and lone surrogates cannot be stored
 # faithfully by every store and make operator output unreadable.
@@ -86,6 +88,8 @@ class Cap:
             raise ConfigurationError(
                 f"Cap {self.name!r}: limit must be a positive integer or a function, got {_describe(self.limit)}"
             )
+        elif self.limit > MAX_LIMIT:
+            raise ConfigurationError(f"Cap {self.name!r}: limit {self.limit} is above {MAX_LIMIT}, {_LARGEST}")
 
     def slot_name(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The slot this cap takes for a task called with ``args`` and ``kwargs``.
@@ -112,6 +116,11 @@ class Cap:
                 f"Cap {self.name!r}: limit function {function_name(self.limit)} must return a positive integer, "
                 f"got {type(limit).__name__} {_describe(limit)}"
             )
+        if limit > MAX_LIMIT:
+            raise CapKeyError(
+                f"Cap {self.name!r}: limit function {function_name(self.limit)} returned {limit}, "
+                f"above {MAX_LIMIT}, {_LARGEST}"
+            )
         return limit  # type: ignore[no-any-return]
 
     def _call(self, role: str, function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -125,6 +134,9 @@ class Cap:
                 f"Cap {self.name!r}: {role} function {function_name(function)} raised {type(exc).__name__}: "
                 f"{_shorten(str(exc), _MAX_QUOTED_ERROR_LENGTH)}"
             ) from exc
+
+
+_LARGEST = "the largest limit every store keeps"
 
 
 def _positive_int(value: object) -> bool:

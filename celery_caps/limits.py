@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from . import handover
-from .caps import validate_key
+from .caps import MAX_LIMIT, validate_key
 from .errors import CapKeyError, ConfigurationError, StoreError
 from .stores.base import HistoryEvent, Woken
 
@@ -47,17 +47,27 @@ class LimitChange:
     problems: tuple[str, ...] = ()
 
 
-def check_name(name: str, known_caps: Collection[str]) -> str:
-    """``name`` if it names a cap of ``known_caps`` or one key of one (``cap:key``).
+def check_name(name: str, known_caps: Mapping[str, bool]) -> str:
+    """``name`` if it names a cap of ``known_caps`` (each with whether it has a key) or one key of
+    a cap that has one (``cap:key``).
 
     Raises:
-        ConfigurationError: the cap is not one the app's tasks declare (the message names them).
+        ConfigurationError: the cap is not one the app's tasks declare (the message names them),
+            or ``name`` gives a key the cap cannot have.
     """
+    if not isinstance(name, str):
+        raise ConfigurationError(f"a cap's name is a string (a cap, or cap:key), got {type(name).__name__} {name!r}")
     cap, separator, key = name.partition(":")
     if cap not in known_caps:
         known = ", ".join(sorted(known_caps)) or "none"
         raise ConfigurationError(f"no task of this app declares a cap named {cap!r} (its caps: {known})")
     if separator:
+        if not known_caps[cap]:
+            raise ConfigurationError(
+                f"cap {cap!r} has no key function, so {name!r} names no slot: set the limit of {cap!r} itself"
+            )
+        if not key:
+            raise ConfigurationError(f"{name!r} gives no key after {cap + ':'!r}: name a key, as in {cap}:acme")
         try:
             validate_key(cap, key)
         except CapKeyError as exc:
@@ -66,7 +76,7 @@ def check_name(name: str, known_caps: Collection[str]) -> str:
 
 
 def change_limit(
-    context: CapsContext, name: str, limit: int | None, known_caps: Collection[str], by: str | None = None
+    context: CapsContext, name: str, limit: int | None, known_caps: Mapping[str, bool], by: str | None = None
 ) -> LimitChange:
     """Set the operator's limit of ``name`` (a cap or ``cap:key``) to ``limit``, or with None return
     it to the code's; record the change in the history; dispatch at once the waiters the new
@@ -80,10 +90,14 @@ def change_limit(
         ConfigurationError: ``name`` names no known cap, or ``limit`` is not a positive int.
         StoreError: the store failed before the limit was set (nothing changed).
     """
-    check_name(name, known_caps)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ConfigurationError(f"a limit must be a positive integer, got {limit!r}")
+    if limit is not None and limit > MAX_LIMIT:
+        raise ConfigurationError(f"a limit must be at most {MAX_LIMIT} (the largest every store keeps), got {limit}")
     store = context.store
+    # A limit left on a cap the code no longer declares can still be reset.
+    if limit is not None or name not in store.limits():
+        check_name(name, known_caps)
     previous = store.set_limit(name, limit)
     settings = context.settings
     event = HistoryEvent(
@@ -122,4 +136,9 @@ def set_limit(app: Celery, name: str, limit: int | None) -> LimitChange:
     """
     from .runtime import runtime_for
 
-    return change_limit(runtime_for(app), name, limit, handover.caps_of(app))
+    app.loader.import_default_modules()  # tasks of `include`d modules declare their caps now
+    keyed: dict[str, bool] = {}
+    for task in list(app.tasks.values()):
+        for cap in getattr(task, "_caps", ()):
+            keyed[cap.name] = keyed.get(cap.name, False) or cap.key is not None
+    return change_limit(runtime_for(app), name, limit, keyed)

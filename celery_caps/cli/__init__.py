@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from ..stores.base import HistoryEvent, SlotStatus, Waiter
 
+from ..caps import MAX_LIMIT
 from ..stores.base import ParkingStore
 from .common import (
     Operator,
@@ -609,7 +610,7 @@ def redispatch(ctx: click.Context, name: str) -> None:
 
 @caps.command()
 @click.argument("name")
-@click.argument("new_limit", metavar="[N]", required=False, type=click.IntRange(min=1))
+@click.argument("new_limit", metavar="[N]", required=False, type=click.IntRange(min=1, max=MAX_LIMIT))
 @click.option("--reset", is_flag=True, help="Return NAME to the limit in code.")
 @click.pass_context
 def limit(ctx: click.Context, name: str, new_limit: int | None, reset: bool) -> None:
@@ -622,23 +623,29 @@ def limit(ctx: click.Context, name: str, new_limit: int | None, reset: bool) -> 
     if reset and new_limit is not None:
         raise click.UsageError("give N or --reset, not both")
     operator = operator_for(ctx)
-    guard(lambda: check_name(name, operator.caps))
+    # A limit left on a cap the code no longer declares can still be shown and reset.
+    if new_limit is not None or name not in operator.operator_limits():
+        guard(lambda: check_name(name, _keyed_caps(operator)))
     if new_limit is None and not reset:
         _show_limit(operator, name)
         return
     user = _operator_name()
-    change = guard(lambda: change_limit(operator, name, new_limit, operator.caps, by=user))
-    was = f"{change.previous} (set)" if change.previous is not None else "the code's"
-    if change.limit is not None:
-        now = str(change.limit)
-    else:  # reset: the limit in force now (the operator's limits are read after the change)
-        value, _code, set_for = _limit_in_force(operator, name)
-        now = f"{value} (set for {set_for})" if set_for is not None else f"{value} (the code's)"
-    click.echo(f"{name}: limit {now}, was {was}; every worker counts against it from now on")
+    before = _limit_in_force(operator, name)
+    change = guard(lambda: change_limit(operator, name, new_limit, _keyed_caps(operator), by=user))
+    operator.forget_operator_limits()
+    now = _limit_in_force(operator, name)
+    click.echo(
+        f"{name}: limit {_said(name, now)}, was {_said(name, before)}; every worker counts against it from now on"
+    )
     if change.woken:
         click.echo(f"dispatched {len(change.woken)} waiting task(s) into the room it leaves")
     for problem in change.problems:
         click.echo(f"warning: {one_line(problem)}", err=True)
+
+
+def _keyed_caps(operator: Operator) -> dict[str, bool]:
+    """The app's caps, each with whether it has a key (see :func:`check_name`)."""
+    return {cap: info.keyed for cap, info in operator.caps.items()}
 
 
 def _operator_name() -> str:
@@ -657,13 +664,27 @@ def _limit_in_force(operator: Operator, name: str) -> tuple[str, str, str | None
     its cap, and the name an operator set the limit for (``name`` itself or its cap; None: the
     code's holds)."""
     cap = name.partition(":")[0]
-    info = operator.caps[cap]
-    code = str(info.limit) if info.limit is not None else f"per key ({', '.join(info.limit_functions)})"
+    info = operator.caps.get(cap)
+    if info is None:  # a limit left on a cap the code no longer declares
+        code = "none (no task of this app declares it)"
+    elif info.limit is not None:
+        code = str(info.limit)
+    else:
+        code = f"per key ({', '.join(info.limit_functions)})"
     limits = operator.operator_limits()
     for set_for in (name, cap):
         if set_for in limits:
             return str(limits[set_for]), code, set_for
     return code, code, None
+
+
+def _said(name: str, in_force: tuple[str, str, str | None]) -> str:
+    """A limit in force (:func:`_limit_in_force`) in a few words: ``1 (set)``, ``2 (set for
+    tenant)``, ``3 (the code's)``."""
+    value, _code, set_for = in_force
+    if set_for == name:
+        return f"{value} (set)"
+    return f"{value} (set for {set_for})" if set_for is not None else f"{value} (the code's)"
 
 
 def _show_limit(operator: Operator, name: str) -> None:
@@ -710,6 +731,7 @@ def watch(ctx: click.Context, interval: float, cap: str | None, iterations: int)
     operator = operator_for(ctx)
 
     def view() -> RenderableType:
+        operator.forget_operator_limits()  # a limit set while it watches shows at the next refresh
         statuses = operator.statuses()
         waiting = waiting_per_slot(operator.waiters())
         stamp = Text(f"{clock(time.time())}, every {interval:g}s, Ctrl-C to quit", style="dim")

@@ -83,6 +83,11 @@ class Operator:
             self._operator_limits = guard(store.limits)
         return self._operator_limits
 
+    def forget_operator_limits(self) -> None:
+        """Read the operators' limits again at the next :meth:`operator_limits` (one changed, or
+        a view refreshes)."""
+        self._operator_limits = None
+
     def limit_of(self, slot: str, stored: int | None) -> int | None:
         """The limit ``slot``'s room is counted against: an operator's (see :meth:`limit_source`),
         else the registered limit of its cap, else the limit the store last saw (for a cap whose

@@ -431,7 +431,7 @@ def _check_claim(task_id: str, run_id: str, holder: str, lease_seconds: float, *
 def _check_set_limit(name: str, limit: int | None) -> None:
     checks.slot("name", name)
     if limit is not None:
-        checks.count("limit", limit)
+        checks.limit("limit", limit)
 
 
 def _check_readmit(slot: str, dispatch_lease_seconds: float) -> None:

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from ..caps import MAX_SLOT_LENGTH
+from ..caps import MAX_LIMIT, MAX_SLOT_LENGTH
 from ..errors import StoreInputError
 
 #: Longest task id, run id or holder a store keeps, in characters.
@@ -64,6 +64,13 @@ def count(name: str, value: object) -> None:
         raise StoreInputError(f"{name} must be a positive integer, got {_describe(value)}")
 
 
+def limit(name: str, value: object) -> None:
+    """A slot's limit: a positive integer no larger than every store keeps (MAX_LIMIT)."""
+    count(name, value)
+    if value > MAX_LIMIT:  # type: ignore[operator]
+        raise StoreInputError(f"{name} must be at most {MAX_LIMIT} (the largest every store keeps), got {value}")
+
+
 def names(name: str, values: object, check: Callable[[str, object], None] = text) -> None:
     """A collection of strings (a string itself is not one: ``renew("run-1", ...)``)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Collection):
@@ -76,10 +83,9 @@ def slots(value: object) -> None:
     """Slot name -> limit (a positive integer)."""
     if not isinstance(value, (dict, Mapping)):  # (dict first: the ABC check costs a call)
         raise StoreInputError(f"slots must map slot names to limits, got {_describe(value)}")
-    for name, limit in value.items():
+    for name, slot_limit in value.items():
         slot("a slot name", name)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise StoreInputError(f"slot {name!r}: its limit must be a positive integer, got {_describe(limit)}")
+        limit(f"slot {name!r}: its limit", slot_limit)
 
 
 def admission(
@@ -98,7 +104,7 @@ def history_events(events: Sequence[Any]) -> None:
             if event.task_id != "":
                 raise StoreInputError(f"a limit event's task_id must be empty, got {_describe(event.task_id)}")
             if event.limit is not None:
-                count("a limit event's limit", event.limit)
+                limit("a limit event's limit", event.limit)
         else:
             text("an event's task_id", event.task_id)
         names("an event's slots", event.slots, slot)

@@ -438,6 +438,16 @@ def test_a_limit_function_that_raises_becomes_a_cap_key_error() -> None:
     assert isinstance(raised.value.__cause__, LookupError)
 
 
+def test_a_limit_above_what_every_store_keeps_is_refused_in_code_and_from_a_limit_function() -> None:
+    # A SQL INTEGER keeps up to 2**31 - 1: a larger limit would fail at the store (or be clamped)
+    assert Cap("wide", 2**31 - 1).limit == 2**31 - 1
+    with pytest.raises(ConfigurationError, match=r"Cap 'wide': limit 2147483648 is above 2147483647"):
+        Cap("wide", 2**31)
+    cap = Cap("imports", lambda tenant: 2**40, key=tenant_key)
+    with pytest.raises(CapKeyError, match=r"'imports': limit function .* returned 1099511627776, above 2147483647"):
+        cap.limit_for(("acme",), {})
+
+
 @pytest.mark.parametrize(
     ("limit", "expected"),
     [(0, "int 0"), (-2, "int -2"), (2.5, "float 2.5"), ("3", "str '3'"), (True, "bool True"), (None, "NoneType None")],

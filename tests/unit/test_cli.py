@@ -653,7 +653,8 @@ def test_limit_overrides_the_code_shows_where_it_comes_from_and_resets(
     result = run(app, "limit", email, "1")
     assert result.exit_code == 0, result.output
     assert (
-        result.output.splitlines()[0] == f"{email}: limit 1, was the code's; every worker counts against it from now on"
+        result.output.splitlines()[0]
+        == f"{email}: limit 1 (set), was 3 (the code's); every worker counts against it from now on"
     )
 
     # Then: the store refuses a task that carries the code's 3, and status says where the limit comes from
@@ -722,10 +723,12 @@ def test_limit_of_one_key_beats_its_caps_and_a_raise_wakes_the_waiters(
     ("arguments", "message"),
     [
         (["nosuchcap", "2"], "Error: no task of this app declares a cap named 'nosuchcap' (its caps: {caps})"),
-        (["{prefix}email", "0"], "is not in the range x>=1"),
+        (["{prefix}email", "0"], "0 is not in the range 1<=x<=2147483647"),
         (["{prefix}email", "many"], "'many' is not a valid integer"),
         (["{prefix}email", "2", "--reset"], "give N or --reset, not both"),
-        (["{prefix}tenant:", "2"], "key function returned an empty string"),
+        (["{prefix}tenant:", "2"], "'{prefix}tenant:' gives no key after '{prefix}tenant:'"),
+        (["{prefix}email:acme", "2"], "cap '{prefix}email' has no key function, so '{prefix}email:acme' names no slot"),
+        (["{prefix}email", "2147483648"], "2147483648 is not in the range 1<=x<=2147483647"),
     ],
 )
 def test_limit_refuses_unknown_caps_and_bad_values_and_changes_nothing(
@@ -734,7 +737,7 @@ def test_limit_refuses_unknown_caps_and_bad_values_and_changes_nothing(
     result = run(app, "limit", *(argument.format(prefix=prefix) for argument in arguments))
     assert result.exit_code != 0
     caps = ", ".join(sorted(f"{prefix}{name}" for name in ("email", "provider", "tenant")))
-    assert message.format(caps=caps) in result.output
+    assert message.format(caps=caps, prefix=prefix) in result.output
     assert not [name for name in store.limits() if name.startswith(prefix)]
 
 

@@ -7,20 +7,24 @@ or a waiter parked with; a slot's own limit beats its cap's; removing it returns
 
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 import traceback
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from celery_caps.errors import StoreError, StoreInputError
-from celery_caps.limits import change_limit
+from celery_caps.errors import ConfigurationError, StoreError, StoreInputError
+from celery_caps.limits import change_limit, set_limit
+from celery_caps.runtime import runtime_for
 from celery_caps.settings import CapsSettings
 from celery_caps.stores.base import HistoryEvent, ParkOutcome, SlotStore
 from celery_caps.stores.memory import MemoryStore
-from tests.services import StoreKind, StoreTarget
+from tests.services import StoreKind, StoreTarget, close_client_app
 from tests.unit.test_store_changes import claim_all, live_holders
 from tests.unit.test_stores import DISPATCH_LEASE, HOLDER, LONG_LEASE, admit, new_run_id, park, parking_store
 
@@ -171,7 +175,12 @@ def test_an_operator_limit_is_kept_by_the_store_for_every_handle(
 
 
 def test_a_bad_limit_or_name_is_refused_naming_it(store: SlotStore, prefix: str) -> None:
-    for name, limit, fragment in ((f"{prefix}p", 0, "limit"), (f"{prefix}p", -2, "limit"), ("", 1, "name")):
+    for name, limit, fragment in (
+        (f"{prefix}p", 0, "limit"),
+        (f"{prefix}p", -2, "limit"),
+        (f"{prefix}p", 2**31, "limit must be at most 2147483647 .*, got 2147483648"),
+        ("", 1, "name"),
+    ):
         with pytest.raises(StoreInputError, match=fragment):
             store.set_limit(name, limit)
     assert not [name for name in store.limits() if name.startswith(prefix)]
@@ -190,3 +199,42 @@ def test_a_limit_set_holds_when_its_history_cannot_be_written() -> None:
     assert (change.previous, change.limit) == (None, 2)
     assert change.problems == ("the change is not in the history: recording history failed (simulated)",)
     assert store.limits() == {"provider": 2}
+
+
+def test_set_limit_knows_the_caps_of_the_modules_the_app_includes(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given: a project laid out as Celery's docs show: the app in one module, its tasks in a
+    # module the app includes (imported by a worker, not yet by a client process)
+    project = f"limits_project_{uuid.uuid4().hex[:8]}"
+    root = Path(str(tmp_path))
+    (root / f"{project}_app.py").write_text(
+        "from celery import Celery\n"
+        f"app = Celery('{project}', broker='memory://', include=['{project}_tasks'])\n"
+        f"app.conf.caps_url = 'sqlite:///{root}/caps.db'\n"
+    )
+    (root / f"{project}_tasks.py").write_text(
+        "from celery_caps import Cap, CappedTask\n"
+        f"from {project}_app import app\n"
+        "@app.task(base=CappedTask, cap=[Cap('provider', 3), Cap('tenant', 1, key=lambda tenant: tenant)])\n"
+        "def work(tenant):\n"
+        "    return tenant\n"
+    )
+    monkeypatch.syspath_prepend(str(root))
+    app = importlib.import_module(f"{project}_app").app
+    try:
+        # When: the client process sets limits with the Python call
+        # Then: the included module's caps are known, and a key of a cap without one is refused
+        assert set_limit(app, "provider", 2).limit == 2
+        assert set_limit(app, "tenant:acme", 5).limit == 5
+        with pytest.raises(
+            ConfigurationError, match="cap 'provider' has no key function, so 'provider:x' names no slot"
+        ):
+            set_limit(app, "provider:x", 2)
+        with pytest.raises(ConfigurationError, match="at most 2147483647"):
+            set_limit(app, "provider", 2**31)
+        with pytest.raises(ConfigurationError, match="a cap's name is a string"):
+            set_limit(app, 7, 2)  # type: ignore[arg-type]
+        assert runtime_for(app).store.limits() == {"provider": 2, "tenant:acme": 5}
+    finally:
+        close_client_app(app)
