@@ -719,6 +719,26 @@ def test_limit_of_one_key_beats_its_caps_and_a_raise_wakes_the_waiters(
     )
 
 
+def test_a_limit_left_on_a_cap_no_task_declares_any_more_is_shown_and_reset(
+    app: Celery, store: SlotStore, prefix: str
+) -> None:
+    # Given: an operator's limit on a cap the code has since renamed (it would hold again if the
+    # name came back)
+    gone = f"{prefix}renamed-away"
+    store.set_limit(gone, 2)
+    # Then: it is shown and can be reset; setting it again is refused, naming the caps the app has
+    shown = run(app, "limit", gone)
+    assert shown.exit_code == 0, shown.output
+    assert (
+        shown.output.splitlines()[0]
+        == f"{gone}: limit 2, set by an operator (code: none (no task of this app declares it))"
+    )
+    assert run(app, "limit", gone, "3").exit_code != 0
+    reset = run(app, "limit", gone, "--reset")
+    assert reset.exit_code == 0, reset.output
+    assert gone not in store.limits()
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
