@@ -158,6 +158,41 @@ def test_a_limit_lowered_while_admissions_race_holds_from_the_moment_it_is_set(
     assert live_holders(store, cap) == set()
 
 
+def test_operators_setting_one_new_name_at_once_all_succeed_and_one_of_their_limits_holds(
+    store: SlotStore, store_target: StoreTarget, store_kind: StoreKind, prefix: str
+) -> None:
+    # Given: a name no task was admitted to yet (no sentinel to lock), and four operators (or
+    # provisioning scripts), each with its own connection, setting its limit at the same moment
+    names = [f"{prefix}new-{round_}" for round_ in range(5)]
+    handles = [store if store_kind.id == "memory" else store_target.open() for _ in range(4)]
+    errors: list[str] = []
+    try:
+        for name in names:
+            start = threading.Barrier(len(handles))
+
+            def put(handle: SlotStore, limit: int, name: str = name, start: threading.Barrier = start) -> None:
+                try:
+                    start.wait(10)
+                    handle.set_limit(name, limit)
+                except Exception:
+                    errors.append(traceback.format_exc())
+
+            threads = [threading.Thread(target=put, args=(handle, 10 + i)) for i, handle in enumerate(handles)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+        # Then: none failed (an insert racing another's on PostgreSQL and MariaDB failed on the
+        # taken name), and each name has one of the limits they set
+        assert not errors, errors[0]
+        limits = store.limits()
+        assert all(limits[name] in (10, 11, 12, 13) for name in names), limits
+    finally:
+        for handle in handles:
+            if handle is not store:
+                handle.close()
+
+
 def test_an_operator_limit_is_kept_by_the_store_for_every_handle(
     store: SlotStore, store_target: StoreTarget, store_kind: StoreKind, prefix: str
 ) -> None:

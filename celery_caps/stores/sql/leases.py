@@ -456,9 +456,10 @@ class SQLLeaseStore(SlotStore):
         def replace(connection: Connection) -> int | None:
             self.statements.execute(connection, "lock_limited_sentinels", params).all()
             previous = self.statements.execute(connection, "operator_limit_of", params).scalar()
-            self.statements.execute(connection, "delete_operator_limit", params)
-            if limit is not None:
-                self.statements.execute(connection, "insert_operator_limit", params)
+            if limit is None:
+                self.statements.execute(connection, "delete_operator_limit", params)
+            else:
+                self.statements.execute(connection, "put_operator_limit", params)
             return None if previous is None else int(previous)
 
         return self._transaction(replace)

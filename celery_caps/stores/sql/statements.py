@@ -4,7 +4,8 @@
 ``{skip_locked}`` its row locks, ``{slot_starts_with}`` the condition that ``slot`` starts with a
 prefix, exactly and case included (its ``:pattern`` is :meth:`Statements.prefix_pattern`),
 ``{limit_s}`` the limit of the sentinel ``s``: the operator's (:func:`operator_limit`), else its own,
-``{several_index}`` the hint that names ix_concurrency_waiters_several where a planner needs it;
+``{several_index}`` the hint that names ix_concurrency_waiters_several where a planner needs it,
+``{on_name_taken}`` an INSERT's clause that updates the row whose ``name`` is taken;
 ``:slots``, ``:task_ids``, ``:run_ids`` and ``:task_names`` are lists (expanding binds).
 ``:deployment`` is the handle's deployment (:attr:`.SlotStore.deployment`): every statement of a
 walk, a recovery or a readmit reads only the waiting entries of that deployment, which alone
@@ -288,7 +289,11 @@ TEMPLATES: dict[str, str] = {
         "ORDER BY slot{for_update}"
     ),
     "delete_operator_limit": "DELETE FROM concurrency_limits WHERE name = :name",
-    "insert_operator_limit": "INSERT INTO concurrency_limits (name, slot_limit, set_at) VALUES (:name, :limit, {now})",
+    # Insert or replace (two operators setting one name at once: the later commit's holds, and
+    # neither fails on the other's row).
+    "put_operator_limit": (
+        "INSERT INTO concurrency_limits (name, slot_limit, set_at) VALUES (:name, :limit, {now}) {on_name_taken}"
+    ),
     # The waiters of :deployment of :slots in their order, a batch at a time (keyset: from the row
     # ordered at :first/:parked/:task_id on).  Every row of one waiter has the same order key, so
     # a waiter's rows are adjacent.
@@ -423,6 +428,7 @@ class Statements:
                 limit_s=f"COALESCE({operator_limit(dialect, 's.slot')}, s.slot_limit)",
                 slot_starts_with=_SLOT_STARTS_WITH.get(dialect.name, _SLOT_LIKE),
                 several_index=_SEVERAL_INDEX.get(dialect.name, ""),
+                on_name_taken=_ON_NAME_TAKEN.get(dialect.name, _ON_CONFLICT_NAME),
             )
         )
 
@@ -516,6 +522,8 @@ def admission_params(
 _SLOT_LIKE = "slot LIKE :pattern ESCAPE '/'"
 _SLOT_STARTS_WITH = {"sqlite": "slot GLOB :pattern"}
 _SEVERAL_INDEX = {"sqlite": " INDEXED BY ix_concurrency_waiters_several"}
+_ON_CONFLICT_NAME = "ON CONFLICT (name) DO UPDATE SET slot_limit = excluded.slot_limit, set_at = excluded.set_at"
+_ON_NAME_TAKEN = {"mysql": "ON DUPLICATE KEY UPDATE slot_limit = VALUES(slot_limit), set_at = VALUES(set_at)"}
 
 
 def _like_prefix(prefix: str) -> str:
