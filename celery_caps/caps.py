@@ -148,12 +148,20 @@ def function_name(function: Callable[..., Any]) -> str:
     return getattr(function, "__qualname__", None) or repr(function)
 
 
+def limit_set_for(slot: str, limits: Mapping[str, int]) -> str | None:
+    """The name whose operator's limit (``celery caps limit``) holds for ``slot``: the slot
+    itself, else its cap, else None (the code's limit holds).  ``limits`` maps cap and slot
+    names to limits, as :meth:`SlotStore.limits` returns them."""
+    for name in (slot, slot.partition(":")[0]):
+        if name in limits:
+            return name
+    return None
+
+
 def operator_limit(slot: str, limits: Mapping[str, int]) -> int | None:
-    """The limit an operator set for ``slot`` (``celery caps limit``): set for the slot itself,
-    else for its cap, else None (the code's limit holds).  ``limits`` maps cap and slot names to
-    limits, as :meth:`SlotStore.limits` returns them."""
-    found = limits.get(slot)
-    return found if found is not None else limits.get(slot.partition(":")[0])
+    """The limit an operator set for ``slot`` (see :func:`limit_set_for`), or None."""
+    name = limit_set_for(slot, limits)
+    return None if name is None else limits[name]
 
 
 def validate_key(cap_name: str, key: object) -> str:

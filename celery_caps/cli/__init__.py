@@ -231,8 +231,9 @@ def _status_tables(
         if limit is not None and status.holders >= limit:
             holders = Text.assemble((str(status.holders), "bold"), " (full)")
         limit_text = str(limit) if limit is not None else "?"
-        if operator.limit_source(status.slot) == "operator":
-            limit_text += " (set)"
+        set_for = operator.limit_set_for(status.slot)
+        if set_for is not None:
+            limit_text += " (set)" if set_for == status.slot else f" (set for {set_for})"
         cells = [status.slot, limit_text, holders, str(status.expired)]
         if show_waiting:
             slot_waiting = waiting.get(status.slot)
@@ -279,6 +280,7 @@ def status(ctx: click.Context, as_json: bool, cap: str | None) -> None:
                         "cap": status.slot.partition(":")[0],
                         "limit": operator.limit_of(status.slot, status.limit),
                         "limit_source": operator.limit_source(status.slot),
+                        "limit_set_for": operator.limit_set_for(status.slot),
                         "holders": status.holders,
                         "expired": status.expired,
                         "waiters": waiting[status.slot].waiters if status.slot in waiting else 0,
@@ -671,11 +673,8 @@ def _limit_in_force(operator: Operator, name: str) -> tuple[str, str, str | None
         code = str(info.limit)
     else:
         code = f"per key ({', '.join(info.limit_functions)})"
-    limits = operator.operator_limits()
-    for set_for in (name, cap):
-        if set_for in limits:
-            return str(limits[set_for]), code, set_for
-    return code, code, None
+    set_for = operator.limit_set_for(name)
+    return (code, code, None) if set_for is None else (str(operator.operator_limits()[set_for]), code, set_for)
 
 
 def _said(name: str, in_force: tuple[str, str, str | None]) -> str:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..settings import CapsSettings
     from ..stores.base import Lease, SlotStatus, SlotStore, Waiter
 
-from ..caps import function_name, operator_limit
+from ..caps import function_name, limit_set_for, operator_limit
 from ..stores.base import ParkingStore
 
 _T = TypeVar("_T")
@@ -97,6 +97,10 @@ class Operator:
             return set_by_operator
         info = self.caps.get(slot.partition(":")[0])
         return info.limit if info is not None and info.limit is not None else stored
+
+    def limit_set_for(self, slot: str) -> str | None:
+        """The name an operator set ``slot``'s limit for (the slot or its cap), or None."""
+        return limit_set_for(slot, self.operator_limits())
 
     def limit_source(self, slot: str) -> str:
         """Where :meth:`limit_of` took ``slot``'s limit from: ``"operator"`` (``celery caps

@@ -197,6 +197,7 @@ def test_status_lists_every_cap_and_slot_with_limits_holders_expired_and_keys(
         "cap": f"{prefix}tenant",
         "limit": 1,
         "limit_source": "code",
+        "limit_set_for": None,
         "holders": 1,
         "expired": 0,
         "waiters": 0,
@@ -717,6 +718,10 @@ def test_limit_of_one_key_beats_its_caps_and_a_raise_wakes_the_waiters(
     assert (
         run(app, "limit", acme).output.splitlines()[0] == f"{acme}: limit 2, set by an operator for {tenant} (code: 1)"
     )
+    report = json.loads(run(app, "status", "--json").output)
+    [slot] = [slot for slot in report["slots"] if slot["slot"] == acme]
+    assert (slot["limit"], slot["limit_source"], slot["limit_set_for"]) == (2, "operator", tenant)
+    assert f"2 (set for {tenant})" in run(app, "status", "--cap", tenant).output
 
 
 def test_a_limit_left_on_a_cap_no_task_declares_any_more_is_shown_and_reset(
