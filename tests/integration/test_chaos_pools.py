@@ -303,6 +303,9 @@ SHUTDOWN_TASKS = 48
 COLD_SHUTDOWN_RUNS = {"prefork": "cut", "threads": "finish", "solo": "cut", "gevent": "cut"}
 #: Pools whose cold shutdown acknowledges the runs it cuts short (Celery: they are not redelivered).
 COLD_SHUTDOWN_LOSES_CUT_RUNS = {"solo", "gevent"}
+#: Seconds before a cold shutdown within which a task received by the worker may be in its hands
+#: (admitted, its body starting) when the signal comes: a body lasts 0.3-0.9 s.
+IN_HAND_SECONDS = 2.0
 
 
 #: Seconds a worker may take to exit after a shutdown signal before its stacks are printed.
@@ -455,6 +458,23 @@ def test_warm_and_cold_shutdown_mid_run(make_fleet: FleetFactory, pool: str) -> 
     # moment, and those it started between that moment and acting on the signal)
     cut_by_cold = {run.task_id for run in fleet.record().runs if run.hostname == cold.name and not run.completed}
     assert cut_on_the_spot <= cut_by_cold, (cut_on_the_spot, cut_by_cold)
+    # On a pool whose cold shutdown acknowledges what it cut, a run cut while its body recorded its
+    # own start (the body's first act, a Redis call, switches greenlets) leaves no run behind: CI
+    # saw a gevent worker lose a task it received 5 ms before the signal, past its admission (a
+    # task killed in admission says so in the log and is given back: see the test below). So the
+    # tasks last received by the cold-shut worker just before the signal count as cut too (a
+    # message it only held back unacknowledged comes back and is received again elsewhere).
+    if pool in COLD_SHUTDOWN_LOSES_CUT_RUNS:
+        received_last_there = {
+            task_id
+            for task_id in fleet.received_on(cold)
+            if (last := fleet.last_received(task_id)) is not None
+            and last[0] == cold.name
+            and cold_moment - IN_HAND_SECONDS <= last[1]
+        }
+        lost_with_cold = cut_by_cold | received_last_there
+    else:
+        lost_with_cold = cut_by_cold
 
     # Then the survivor completes the rest; the only tasks never completed are runs the cold
     # shutdown cut short on a pool whose cold shutdown acknowledges them (Celery: solo, gevent)
@@ -463,7 +483,7 @@ def test_warm_and_cold_shutdown_mid_run(make_fleet: FleetFactory, pool: str) -> 
         missing = {task_id for task_id in sent if not record.done[task_id]}
         if not missing:
             return True
-        if pool not in COLD_SHUTDOWN_LOSES_CUT_RUNS or not missing <= cut_by_cold:
+        if pool not in COLD_SHUTDOWN_LOSES_CUT_RUNS or not missing <= lost_with_cold:
             return False
         return fleet.redis_broker_idle() and not fleet.live_runs()
 
@@ -482,7 +502,7 @@ def test_warm_and_cold_shutdown_mid_run(make_fleet: FleetFactory, pool: str) -> 
     record = fleet.record()
     never_done = {task_id for task_id in sent if not record.done[task_id]}
     if pool in COLD_SHUTDOWN_LOSES_CUT_RUNS:
-        assert never_done <= cut_by_cold, sorted(never_done - cut_by_cold)
+        assert never_done <= lost_with_cold, sorted(never_done - lost_with_cold)
     else:
         assert never_done == set(), sorted(never_done)
     redelivered = {task_id for task_id in cut_by_cold if record.done[task_id]}
@@ -506,7 +526,8 @@ def test_warm_and_cold_shutdown_mid_run(make_fleet: FleetFactory, pool: str) -> 
         f"cold: exit "
         f"{cold.process.returncode} after {cold_exit_seconds:.1f} s, {len(cold_runs)} running, "
         f"{len(cut_by_cold)} cut short ({len(cut_on_the_spot)} at the signal; "
-        f"{len(redelivered)} redelivered and completed, {len(never_done)} never completed), "
+        f"{len(redelivered)} redelivered and completed, {len(never_done)} never completed, "
+        f"{len(never_done - cut_by_cold)} of them cut before their run was recorded), "
         f"{left_by_cold} expired lease(s) left for the sweep; "
         f"completed twice {len(twice)}; peaks {dict(sorted(record.peaks.items()))} "
         f"(caps provider {PROVIDER_LIMIT}, tenant {TENANT_LIMIT}); excess (task ids, bodies) {excess}; "
