@@ -260,7 +260,14 @@ class MemoryStore(ParkingStore):
             leases = [lease for lease in leases if lease.task_id == task_id]
             live = [lease for lease in leases if lease.expires_at > now]
             entry = self._waiting.get(task_id)
-            if live and len(live) == len(leases) and all(lease.holder in (DISPATCH_HOLDER, holder) for lease in live):
+            claimable = (
+                bool(live)
+                and len(live) == len(leases)
+                and all(lease.holder in (DISPATCH_HOLDER, holder) for lease in live)
+            )
+            if claimable and self._dispatch_over_limit_locked(run_id, live, now):
+                claimable = False  # a cut since the dispatch: its copy goes through admission
+            if claimable:
                 for lease in live:
                     lease.holder = holder
                     lease.expires_at = now + lease_seconds
@@ -287,6 +294,15 @@ class MemoryStore(ParkingStore):
                 return ClaimOutcome.END
             self._settle_locked(entry, now, holder, tombstone=True)
             return ClaimOutcome.ADMIT
+
+    def _dispatch_over_limit_locked(self, run_id: str, live: list[_LeaseEntry], now: float) -> bool:
+        """Whether the live dispatch leases ``live`` of ``run_id`` (not yet claimed) are in a slot
+        holding more live task ids than its limit now: a limit cut since the dispatch."""
+        if any(lease.holder != DISPATCH_HOLDER for lease in live):
+            return False  # the same claim again: the run is this holder's already
+        slots = [slot for slot, runs in self._leases.items() if run_id in runs]
+        limits = self._current_limits(slots)
+        return any(len(self._live_task_ids(slot, now)) > limits[slot] for slot in slots)
 
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         with self._lock:

@@ -34,9 +34,27 @@ local function settle(tombstone)
   settle_waiter(prefix, keys, task_id, record, tombstone or record[RECORD_DISPATCHES] > 1, done_milliseconds, holder)
 end
 
--- 1. Live dispatch leases: they become this copy's run; or they are this holder's run
--- already (the same claim again, retried after its reply was lost).  (A run's leases share
--- one holder and one expiry, so they are all live dispatch leases or none is.)
+-- Whether a slot of the run holds more live task ids than its limit now (the operator's, else
+-- its sentinel's), the run's own task among them: a limit cut since the dispatch.
+local function over_limit()
+  for j = 3, #run do
+    local slot = run[j]
+    local limit = operator_limit(prefix, slot) or tonumber(redis.call('HGET', KEYS[1], slot))
+    local live_tasks = redis.call('ZCOUNT', slot_key(prefix, slot, 'tasks'), '(' .. score_text(now), '+inf')
+    if limit ~= nil and live_tasks > limit then
+      return true
+    end
+  end
+  return false
+end
+
+-- 1. Live dispatch leases: they become this copy's run, unless a limit was cut since the
+-- dispatch (then they go as in 3, and the copy goes through admission); or they are this
+-- holder's run already (the same claim again, retried after its reply was lost).  (A run's
+-- leases share one holder and one expiry, so they are all live dispatch leases or none is.)
+if live and run[2] == DISPATCH_HOLDER and over_limit() then
+  live = false
+end
 if live and (run[2] == DISPATCH_HOLDER or run[2] == holder) then
   run[2] = holder
   redis.call('HSET', runs_key, run_id, cmsgpack.pack(run))

@@ -22,7 +22,7 @@ from celery_caps.errors import ConfigurationError, StoreError, StoreInputError
 from celery_caps.limits import change_limit, set_limit
 from celery_caps.runtime import runtime_for
 from celery_caps.settings import CapsSettings
-from celery_caps.stores.base import HistoryEvent, ParkOutcome, SlotStore
+from celery_caps.stores.base import ClaimOutcome, HistoryEvent, ParkOutcome, SlotStore
 from celery_caps.stores.memory import MemoryStore
 from tests.services import StoreKind, StoreTarget, close_client_app
 from tests.unit.test_store_changes import claim_all, live_holders
@@ -96,6 +96,56 @@ def test_hand_overs_count_against_the_operators_limit(store: SlotStore, prefix: 
     woken = store.recover(DISPATCH_LEASE, caps=[cap])
     assert sorted(waiter.task_id for waiter in woken) == [f"{prefix}w1", f"{prefix}w2"]
     assert len(live_holders(store, cap)) == 3
+
+
+def test_copies_dispatched_before_a_cut_go_through_admission_and_wait_again_at_their_places(
+    store: SlotStore, prefix: str
+) -> None:
+    store = parking_store(store)
+    cap = f"{prefix}provider"
+    waiters = [f"{prefix}w{number}" for number in range(3)]
+    # Given: a cap of 3 held by three runs, three tasks waiting, and two runs ending: their
+    # waiters w0 and w1 are dispatched, their copies on the way (a prefetch buffer, the broker)
+    running = [admit(store, {cap: 3}, f"{prefix}run-{number}") for number in range(3)]
+    for number, task_id in enumerate(waiters):
+        assert park(store, {cap: 3}, task_id, 1.0 + number) == ParkOutcome.PARKED
+    _, [first] = store.release_and_wake(running[0], DISPATCH_LEASE)
+    _, [second] = store.release_and_wake(running[1], DISPATCH_LEASE)
+    assert live_holders(store, cap) == {f"{prefix}run-2", waiters[0], waiters[1]}
+    # When: an operator cuts the cap to 1 before the copies arrive
+    store.set_limit(cap, 1)
+    # Then: neither copy runs: each claim gives its slot up and sends it through admission (it
+    # would have been a second and a third run under a limit of 1)
+    for woken in (first, second):
+        assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
+    assert live_holders(store, cap) == {f"{prefix}run-2"}
+    # ... the same claim retried (its reply lost) does not run either, nor does another copy
+    assert store.claim(first.task_id, first.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.ADMIT
+    assert store.claim(first.task_id, first.run_id, "w2@host-b/7", LONG_LEASE) is ClaimOutcome.END
+    # ... and their copies, refused by admission, wait again at their places, ahead of w2
+    for number, woken in enumerate((first, second)):
+        assert park(store, {cap: 3}, woken.task_id, 1.0 + number) == ParkOutcome.PARKED
+    assert [waiter.task_id for waiter in store.waiters(cap)] == waiters
+    # When the last run ends, w0 is handed the slot and runs: one at a time, as the limit says
+    _, [again] = store.release_and_wake(running[2], DISPATCH_LEASE)
+    assert again.task_id == waiters[0]
+    assert store.claim(again.task_id, again.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert live_holders(store, cap) == {waiters[0]}
+
+
+def test_a_copy_dispatched_before_a_cut_that_leaves_it_room_runs(store: SlotStore, prefix: str) -> None:
+    # Given: a cap of 3, full; a waiter dispatched as one run ends, then another run ends
+    store = parking_store(store)
+    cap = f"{prefix}provider"
+    running = [admit(store, {cap: 3}, f"{prefix}run-{number}") for number in range(3)]
+    assert park(store, {cap: 3}, f"{prefix}waiter", 1.0) == ParkOutcome.PARKED
+    _, [woken] = store.release_and_wake(running[0], DISPATCH_LEASE)
+    store.release(running[1])
+    # When: the cap is cut to 2, which the last run and the dispatch fill exactly
+    store.set_limit(cap, 2)
+    # Then: the copy runs
+    assert store.claim(woken.task_id, woken.run_id, HOLDER, LONG_LEASE) is ClaimOutcome.RUN
+    assert live_holders(store, cap) == {f"{prefix}run-2", f"{prefix}waiter"}
 
 
 def test_a_limit_lowered_while_admissions_race_holds_from_the_moment_it_is_set(

@@ -457,9 +457,9 @@ END $$
 -- A copy's claim in one round trip, ParkingStore.claim's decision: lock the task's leases of the
 -- dispatch run, then read them by the store's clock.  All live, and each a dispatch lease or
 -- p_holder's (the same claim again, after its reply was lost): they become (stay) the run's, the
--- entry settles ('run').  A live lease held by another run: another copy claimed first ('admit'
--- if redelivered, else 'end').  Otherwise what is left of the dispatch's leases goes, and the
--- task's entry (locked) decides.
+-- entry settles ('run'), unless a limit was cut since the dispatch (see below).  A live lease
+-- held by another run: another copy claimed first ('admit' if redelivered, else 'end').
+-- Otherwise what is left of the dispatch's leases goes, and the task's entry (locked) decides.
 CREATE OR REPLACE FUNCTION concurrency_slots_claim(
     p_task_id text, p_run_id text, p_holder text, p_lease_seconds double precision, p_redelivered boolean,
     p_done_seconds double precision
@@ -483,7 +483,16 @@ BEGIN
         count(*) FILTER (WHERE c.expires_at > v_now AND c.holder IN ('caps-dispatch', p_holder))
     INTO v_leases, v_live, v_live_dispatch, v_live_claimable
     FROM concurrency_slots c WHERE c.run_id = p_run_id AND c.task_id = p_task_id;
-    IF v_live > 0 AND v_live = v_leases AND v_live_claimable = v_live THEN
+    -- (Not a dispatch in a slot holding more live task ids than its limit now, itself one of
+    -- them: a limit cut since the dispatch.  Its leases go as below, and its copy goes through
+    -- admission.)
+    IF v_live > 0 AND v_live = v_leases AND v_live_claimable = v_live AND NOT (
+        v_live_dispatch = v_live AND EXISTS (
+            SELECT 1 FROM concurrency_slots l JOIN concurrency_slots s ON s.run_id = '' AND s.slot = l.slot
+            WHERE l.run_id = p_run_id AND l.task_id = p_task_id
+              AND concurrency_slots_limit(l.slot, s.slot_limit) < (
+                  SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
+                  WHERE c.slot = l.slot AND c.expires_at > v_now))) THEN
         UPDATE concurrency_slots c SET holder = p_holder, expires_at = v_now + p_lease_seconds
         WHERE c.run_id = p_run_id AND c.task_id = p_task_id;
         PERFORM concurrency_waiters_settle(p_task_id, p_run_id, p_holder, v_now + p_done_seconds, 2);

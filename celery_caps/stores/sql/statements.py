@@ -320,6 +320,13 @@ TEMPLATES: dict[str, str] = {
         "SELECT holder, CASE WHEN expires_at > {now} THEN 1 ELSE 0 END FROM concurrency_slots "
         "WHERE run_id = :run_id AND task_id = :task_id{for_update}"
     ),
+    # A slot of the dispatch :run_id with more live task ids than its limit now (a cut since the
+    # dispatch, which counts as one of them).
+    "dispatch_over_limit": (
+        "SELECT l.slot FROM concurrency_slots l JOIN concurrency_slots s ON s.run_id = '' AND s.slot = l.slot "
+        "WHERE l.run_id = :run_id AND l.task_id = :task_id AND {limit_s} < (SELECT COUNT(DISTINCT c.task_id) "
+        "FROM concurrency_slots c WHERE c.slot = l.slot AND c.expires_at > {now})"
+    ),
     "claim": (
         "UPDATE concurrency_slots SET holder = :holder, expires_at = {now} + :lease_seconds "
         "WHERE run_id = :run_id AND task_id = :task_id"

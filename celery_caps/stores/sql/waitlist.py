@@ -293,7 +293,13 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             leases = statements.execute(connection, "claim_leases", params).all()
             live = [lease_holder for lease_holder, alive in leases if alive]
             # (A lease already the run's: the same claim again, its reply lost.)
-            if live and len(live) == len(leases) and all(owner in (DISPATCH_HOLDER, holder) for owner in live):
+            claimable = (
+                bool(live) and len(live) == len(leases) and all(owner in (DISPATCH_HOLDER, holder) for owner in live)
+            )
+            if claimable and all(owner == DISPATCH_HOLDER for owner in live):
+                # A limit cut since the dispatch: its copy goes through admission (see below).
+                claimable = statements.execute(connection, "dispatch_over_limit", params).first() is None
+            if claimable:
                 statements.execute(connection, "claim", params)
                 settle(connection, tombstone=False)
                 return ClaimOutcome.RUN
