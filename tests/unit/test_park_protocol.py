@@ -160,6 +160,9 @@ class Process:
     #: The run id this copy's admission uses (the same on every try).
     new_run_id: str = ""
     retry: bool = False
+    #: Whether a try of this copy's decision met a store error (a claim's reply may have been
+    #: lost after it applied: the RUN of a later try was granted at that first one).
+    tried: bool = False
     woken: list[Woken] = field(default_factory=list)
     #: The slots the running copy holds (slot name -> the limit it was granted under).
     held: dict[str, int] = field(default_factory=dict)
@@ -355,6 +358,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             waiting = self.held_by(state)
             state.process.message = waiting[pick % len(waiting)]
             state.process.new_run_id = uuid.uuid4().hex
+            state.process.tried = False
             self.decide(state)
 
         @precondition(lambda self: self.able("deciding"))
@@ -399,7 +403,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 if dispatch:
                     # As park.admit: a copy carrying a dispatch waits in its process and tries again.
                     self.note(f"{state.holder} m{message.mid} {message.task}: {exc}; tries again")
-                    process.phase = "deciding"
+                    process.phase, process.tried = "deciding", True
                     return
                 # As park.admit: release what the failing call may have committed, once the store
                 # answers; put the copy back; acknowledge the original.
@@ -417,6 +421,11 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 process.phase, process.run_id = "running", decision.run_id
                 if decision.claimed:
                     process.held = dict(self.parked_slots[message.task])
+                    # A claim runs its copy only within the limit now (a cut since the dispatch
+                    # sends it through admission), unless an earlier try took the run already.
+                    if not process.tried:
+                        what = f"{state.holder} claiming {message.task}"
+                        self.check_grant(arrival.task_id, decision.run_id or "", process.held, what)
                 else:
                     process.held = slots
                     assert decision.run_id is not None
@@ -912,6 +921,32 @@ def test_an_unpublishable_task_whose_forget_reply_is_lost_still_fails_visibly(
         # Then: t5 is off the list and failed (its FAILURE stored), not gone without a trace
         assert not [w for w in machine.real_store.waiters() if w.task_id == "t5"], machine.history()
         assert "t5" in machine.failed, machine.history()
+    finally:
+        machine.clean_up()
+
+
+def test_a_copy_dispatched_before_a_cut_waits_again_instead_of_running_above_it(
+    protocol_target: StoreTarget | None,
+) -> None:
+    # A limit cut while a woken copy is on its way, step by step (hypothesis rarely lines it up).
+    machine = make_machine(protocol_target, protocol_target is None)()
+    try:
+        # Given: t1 runs on w1 and t5 waits for their shared slot k:a (limit 1); an operator
+        # raises k:a to 2, which dispatches t5 at once (its copy on its way)
+        _t1_runs_and_t5_waits(machine)
+        machine.operator_sets_a_limit("k:a", 2)
+        # When: the operator cuts k:a to 1 before t5's copy arrives, and the copy is taken
+        machine.operator_sets_a_limit("k:a", 1)
+        _deliver(machine, "t5", "w2", dispatched=True)
+        _run_through(machine, "w2", "t5")
+        # Then: it did not run beside t1 (the model checks every claimed run against the limit
+        # now): it waits again, and runs once t1 is done
+        assert machine.starts[("t5", 0)] == 0, machine.history()
+        assert [w.task_id for w in machine.real_store.waiters(machine.slot("k:a"))] == [machine.task_id("t5")]
+        _finish(machine, "w1")
+        _deliver(machine, "t5", "w2", dispatched=True)
+        _run_through(machine, "w2", "t5")
+        assert machine.finished["t5"] == 1, machine.history()
     finally:
         machine.clean_up()
 
