@@ -158,6 +158,8 @@ class Lease:
     task_name: str | None = None
     #: Seconds since the lease was taken, by the store's clock (None: unknown).
     age: float | None = None
+    #: How many units of the slot's limit the run takes (``Cap(weight=...)``).
+    weight: int = 1
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,9 @@ class SlotStatus:
     holders: int
     #: Lease rows past their expiry that the sweep has not removed yet.
     expired: int
+    #: Units of the limit the holders take (the sum of their weights, each at most the limit):
+    #: None where every holder takes one (it equals ``holders``).
+    units: int | None = None
 
 
 def with_operator_limits(statuses: Iterable[SlotStatus], limits: Mapping[str, int]) -> list[SlotStatus]:
@@ -271,6 +276,8 @@ class Waiter:
     #: Whether it has been dispatched (its message is on the way; its slots are reserved
     #: unless it was readmitted).
     dispatched: bool
+    #: How many units of the slot's limit it needs (``Cap(weight=...)``).
+    weight: int = 1
 
 
 #: The holder of a dispatch lease until the dispatched task claims it.
@@ -317,6 +324,9 @@ class ParkRequest:
     #: The message that publishes the task again (:data:`OUTSIDE_PAYLOAD`: it waits in the
     #: broker); None: admit if there is room, else park nothing.
     payload: bytes | None = None
+    #: Slot name -> how many units of its limit the task takes, for the slots where that is
+    #: not 1 (see :meth:`SlotStore.acquire`); kept with the entry for its dispatch.
+    weights: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 #: Dispatches of a task with leases (holding its slots for it) before recovery gives up holding
@@ -352,7 +362,9 @@ def _check_at_most(at_most: int | None = None) -> None:
 
 
 def _check_park(request: ParkRequest) -> None:
-    checks.admission(request.slots, request.task_id, request.run_id, request.holder, request.lease_seconds)
+    checks.admission(
+        request.slots, request.task_id, request.run_id, request.holder, request.lease_seconds, weights=request.weights
+    )
     checks.seconds("first_deferred_at", request.first_deferred_at, positive=False)
     checks.count("max_waiters", request.max_waiters)
     if request.payload is not None and not isinstance(request.payload, bytes):
@@ -547,14 +559,19 @@ class SlotStore(abc.ABC):
         holder: str,
         lease_seconds: float,
         task_name: str | None = None,
+        weights: Mapping[str, int] | None = None,
     ) -> Admission:
         """Take one lease per slot for ``run_id``, all or none, in one atomic step.
 
-        ``slots`` maps slot names to their limits.  A slot admits when fewer than
-        its limit distinct task ids hold live leases, or when ``task_id`` already
-        holds one (the same task id counts once).  Leases expire ``lease_seconds``
-        after now by the store's clock; they remember ``task_name`` and when they
-        were taken (store clock), for operators.
+        ``slots`` maps slot names to their limits, ``weights`` the slots where the task takes
+        more than one unit of the limit to how many it takes (1 elsewhere).  A slot admits
+        when ``task_id`` already holds one of its leases (the same task id counts once), or
+        when the units its live holders take plus this task's weight are at most its limit,
+        every weight counted as at most the limit in force (an operator's lower limit leaves a
+        heavy task room to run alone), and its oldest waiter does not need that room (see
+        :meth:`ParkingStore.park`).  Leases expire ``lease_seconds`` after now by the store's
+        clock; they remember ``task_name``, the weight and when they were taken (store
+        clock), for operators.
         """
 
     @abc.abstractmethod
@@ -691,6 +708,15 @@ class ParkingStore(SlotStore):
 
     A store that is only a :class:`SlotStore` serves the backoff strategy; park falls back
     to backoff on it, with a warning when a worker starts.
+
+    **Weights.**  A slot's room is its limit in force less the units its live holders take
+    (dispatch leases included): each task id counts once, at the largest weight of its live
+    leases there, and never above the limit.  Against starvation, *the oldest waiting entry of
+    a slot (of this deployment, not dispatched) that needs more units than are free holds
+    them*: an admission (``acquire``, ``park``) of another task id is refused at that slot, and
+    a hand-over (release, forget, recover) dispatches no entry behind it into that slot.  An
+    entry that fits a slot's room never holds it (it may wait for another slot).  With every
+    weight 1 an entry needs more than is free only when the slot is full, so nothing changes.
     """
 
     #: How long a tombstone lasts, in seconds (:data:`DONE_SECONDS`; tests shorten it).

@@ -88,10 +88,32 @@ def slots(value: object) -> None:
         limit(f"slot {name!r}: its limit", slot_limit)
 
 
+def weight_map(value: object, slots_: Mapping[str, int]) -> None:
+    """Slot name -> weight: slots of ``slots_`` only, each weight a positive integer no larger
+    than the slot's limit."""
+    if not isinstance(value, (dict, Mapping)):
+        raise StoreInputError(f"weights must map slot names to weights, got {_describe(value)}")
+    for name, weight in value.items():
+        if name not in slots_:
+            raise StoreInputError(f"weights name slot {_describe(name)}, which is not among the slots asked for")
+        if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
+            raise StoreInputError(f"slot {name!r}: its weight must be a positive integer, got {_describe(weight)}")
+        if weight > slots_[name]:
+            raise StoreInputError(f"slot {name!r}: its weight {weight} is above its limit {slots_[name]}")
+
+
 def admission(
-    slots_: Mapping[str, int], task_id: str, run_id: str, holder: str, lease_seconds: float, task_name: Any = None
+    slots_: Mapping[str, int],
+    task_id: str,
+    run_id: str,
+    holder: str,
+    lease_seconds: float,
+    task_name: Any = None,
+    weights: Any = None,
 ) -> None:
     slots(slots_)
+    if weights:
+        weight_map(weights, slots_)
     text("task_id", task_id)
     text("run_id", run_id)
     text("holder", holder)
