@@ -711,12 +711,13 @@ class ParkingStore(SlotStore):
 
     **Weights.**  A slot's room is its limit in force less the units its live holders take
     (dispatch leases included): each task id counts once, at the largest weight of its live
-    leases there, and never above the limit.  Against starvation, *the oldest waiting entry of
-    a slot (of this deployment, not dispatched) that needs more units than are free holds
-    them*: an admission (``acquire``, ``park``) of another task id is refused at that slot, and
-    a hand-over (release, forget, recover) dispatches no entry behind it into that slot.  An
-    entry that fits a slot's room never holds it (it may wait for another slot).  With every
-    weight 1 an entry needs more than is free only when the slot is full, so nothing changes.
+    leases there, and never above the limit.  Against starvation, *the oldest heavy entry of a
+    slot (weight above 1 there; waiting, not dispatched; of this deployment), if it needs more
+    units than are free, holds them*: an admission (``acquire``, ``park``) of another task id is
+    refused at that slot.  A hand-over (release, forget, recover) walks the waiting entries in
+    order and, at the first that does not fit a slot's room, gives that slot to no entry after
+    it.  A light entry needs more than is free only when the slot is full: with every weight 1
+    nothing changes.
     """
 
     #: How long a tombstone lasts, in seconds (:data:`DONE_SECONDS`; tests shorten it).
