@@ -30,15 +30,16 @@ def admit(
     runtime: CapsRuntime,
     request: Any,
     slots: Mapping[str, int],
+    weights: Mapping[str, int],
     holder: str,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
 ) -> str | None:
-    """Backoff's admission: the run id holding ``slots``; or put the task back (``Ignore``).
+    """Backoff's admission: the run id holding ``slots`` (at ``weights``); or put the task back (``Ignore``).
     None: the task runs uncapped (``caps_on_store_error = "run"``)."""
     try:
         admission, run_id = runtime.acquire(
-            slots, request.id, holder, task_name=task.name, deferrals=deferrals_of(request)
+            slots, request.id, holder, task_name=task.name, deferrals=deferrals_of(request), weights=weights
         )
     except StoreError as exc:
         on_store_error(task, runtime, request, slots, args, kwargs, exc)

@@ -30,6 +30,7 @@ _FORBIDDEN_CHARACTERS = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 
 KeyFunction = Callable[..., str]
 LimitFunction = Callable[..., int]
+WeightFunction = Callable[..., int]
 
 
 #: Longest part of a key function's own exception text that a CapKeyError quotes.
@@ -59,11 +60,15 @@ class Cap:
         key: Optional function called with the task's own positional and keyword
             arguments; it returns a string, and each distinct string gets its own
             ``limit``.  Keys must come from a bounded set (tenants, regions).
+        weight: How many units of the limit one task takes (default 1): a positive int no
+            larger than the limit, or a function called like ``key`` that returns it.  A
+            task of weight 3 under a limit of 10 leaves room for 7 more units.
     """
 
     name: str
     limit: int | LimitFunction
     key: KeyFunction | None = None
+    weight: int | WeightFunction = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -90,6 +95,16 @@ class Cap:
             )
         elif self.limit > MAX_LIMIT:
             raise ConfigurationError(f"Cap {self.name!r}: limit {self.limit} is above {MAX_LIMIT}, {_LARGEST}")
+        if callable(self.weight):
+            return
+        if not _positive_int(self.weight):
+            raise ConfigurationError(
+                f"Cap {self.name!r}: weight must be a positive integer or a function, got {_describe(self.weight)}"
+            )
+        if not callable(self.limit) and self.weight > self.limit:
+            raise ConfigurationError(
+                f"Cap {self.name!r}: weight {self.weight} is above its limit {self.limit}: no task of it could ever run"
+            )
 
     def slot_name(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The slot this cap takes for a task called with ``args`` and ``kwargs``.
@@ -122,6 +137,31 @@ class Cap:
                 f"above {MAX_LIMIT}, {_LARGEST}"
             )
         return limit  # type: ignore[no-any-return]
+
+    def weight_for(self, args: Sequence[Any], kwargs: Mapping[str, Any], limit: int) -> int:
+        """How many units of its slot's ``limit`` a task called with ``args`` and ``kwargs`` takes.
+
+        Raises:
+            CapKeyError: the weight function raised or returned something that is not a
+                positive int, or a weight above ``limit``.
+        """
+        if not callable(self.weight):
+            weight = self.weight
+            if weight > limit:  # a limit function's value below the weight in code
+                raise CapKeyError(f"Cap {self.name!r}: weight {weight} is above the call's limit {limit}")
+            return weight
+        weight = self._call("weight", self.weight, args, kwargs)
+        if not _positive_int(weight):
+            raise CapKeyError(
+                f"Cap {self.name!r}: weight function {function_name(self.weight)} must return a positive integer, "
+                f"got {type(weight).__name__} {_describe(weight)}"
+            )
+        if weight > limit:
+            raise CapKeyError(
+                f"Cap {self.name!r}: weight function {function_name(self.weight)} returned {weight}, "
+                f"above the call's limit {limit}"
+            )
+        return weight  # type: ignore[no-any-return]
 
     def _call(self, role: str, function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """``function(*args, **kwargs)``; what it raises becomes a :class:`CapKeyError` naming it."""
@@ -207,3 +247,21 @@ def slots_for(caps: Sequence[Cap], args: Sequence[Any], kwargs: Mapping[str, Any
         CapKeyError: a key or limit function raised or returned an unusable value.
     """
     return {cap.slot_name(args, kwargs): cap.limit_for(args, kwargs) for cap in caps}
+
+
+def weights_for(
+    caps: Sequence[Cap], slots: Mapping[str, int], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, int]:
+    """Map the slot names (of ``slots``, what :func:`slots_for` returned for the same call) where
+    the call takes more than one unit to how many it takes; empty when every weight is 1.
+
+    Raises:
+        CapKeyError: a weight function raised or returned an unusable value.
+    """
+    weights = {}
+    for cap, (slot, limit) in zip(caps, slots.items(), strict=True):
+        if cap.weight != 1:
+            weight = cap.weight_for(args, kwargs, limit)
+            if weight > 1:
+                weights[slot] = weight
+    return weights

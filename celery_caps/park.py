@@ -59,7 +59,7 @@ from celery.utils import uuid as new_task_id
 from celery.utils.time import maybe_make_aware
 
 from . import messages
-from .caps import slots_for
+from .caps import slots_for, weights_for
 from .errors import CapWaitExceeded, StoreError, StoreInputError, TaskIdInUse
 from .handover import dispatch_lease_seconds
 from .health import describe
@@ -116,6 +116,8 @@ class Arrival:
     redelivered: bool
     #: When the task was first deferred (epoch seconds): its place in the waiting list.
     first_deferred_at: float
+    #: Slot name -> units of its limit the task takes, where more than 1.
+    weights: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ def decide(
 
     request = ParkRequest(
         arrival.slots, arrival.task_id, new_run_id, arrival.holder, lease_seconds, arrival.first_deferred_at,
-        max_waiters, arrival.task_name,
+        max_waiters, arrival.task_name, weights=arrival.weights,
     )  # fmt: skip
     outcome = store.park(request)
     if outcome is ParkOutcome.WAITING:
@@ -215,11 +217,12 @@ def admit(
     runtime: CapsRuntime,
     request: Any,
     slots: Mapping[str, int],
+    weights: Mapping[str, int],
     holder: str,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
 ) -> str | None:
-    """Park's admission in the process that would run the task: the run id holding ``slots``;
+    """Park's admission in the process that would run the task: the run id holding ``slots`` (at ``weights``);
     or end this copy with ``Ignore`` (parked, or someone else answers for the task), or put it
     back with backoff (it cannot park).  None: it runs uncapped (``caps_on_store_error = "run"``).
     """
@@ -234,6 +237,7 @@ def admit(
         task_id=request.id,
         task_name=task.name,
         slots=slots,
+        weights=weights,
         holder=holder,
         dispatch_run_id=str(dispatch) if dispatch else None,
         redelivered=bool((getattr(request, "delivery_info", None) or {}).get("redelivered")),
@@ -398,6 +402,7 @@ def admit_when_sent(
             return send_as_usual
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         slots = slots_for(task._caps, args, kwargs)
+        weights = weights_for(task._caps, slots, args, kwargs)
     except Exception:
         return send_as_usual  # no usable caps settings, or a bad key: the worker reports it
     # From here on the task is sent under this id whatever happens, as the logs below name it.
@@ -438,7 +443,7 @@ def admit_when_sent(
         outcome = store.park(
             ParkRequest(
                 slots, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds(runtime), first_deferred_at,
-                parking.max_waiters, task.name, payload,
+                parking.max_waiters, task.name, payload, weights,
             )
         )  # fmt: skip
     except StoreInputError:

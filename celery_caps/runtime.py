@@ -189,12 +189,14 @@ class CapsRuntime:
         holder: str,
         task_name: str | None = None,
         deferrals: int = 0,
+        weights: Mapping[str, int] | None = None,
     ) -> tuple[Admission, str]:
-        """Try to take ``slots`` for a new run of ``task_id``; returns the outcome and the run id."""
+        """Try to take ``slots`` (at ``weights``, 1 where not given) for a new run of ``task_id``;
+        returns the outcome and the run id."""
         run_id = uuid.uuid4().hex
         try:
             admission = self.store.acquire(
-                slots, task_id, run_id, holder, self.settings.lease_seconds, task_name=task_name
+                slots, task_id, run_id, holder, self.settings.lease_seconds, task_name=task_name, weights=weights
             )
         except StoreError:
             # The error may have come after the store committed the leases (the connection

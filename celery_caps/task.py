@@ -32,7 +32,7 @@ from celery.exceptions import Ignore, Reject
 from celery.utils import uuid as new_task_id
 
 from . import backoff, handover, messages, park
-from .caps import Cap, normalize_caps, slots_for
+from .caps import Cap, normalize_caps, slots_for, weights_for
 from .errors import CapWaitExceeded, LeaseLost, StoreError
 from .health import describe
 from .runtime import CapsRuntime, holder_name, runtime_for
@@ -128,18 +128,20 @@ class CappedTask(Task):  # type: ignore[misc]
         if request.is_eager and not runtime.settings.enforce_eager:
             return super().__call__(*args, **kwargs)
         slots = slots_for(caps, args, kwargs)
+        weights = weights_for(caps, slots, args, kwargs)
         holder = holder_name(request.hostname, None)
         run_id: str | None
         if request.is_eager:
             # Slots this thread holds already (an eager call nested in a capped run) are its caller's.
             needed = {slot: limit for slot, limit in slots.items() if slot not in _HELD_HERE.get()}
-            run_id = self._admit_waiting(runtime, request, needed, holder) if needed else None
+            needed_weights = {slot: weight for slot, weight in weights.items() if slot in needed}
+            run_id = self._admit_waiting(runtime, request, needed, needed_weights, holder) if needed else None
             runtime.metrics.admitted(needed, 0.0)
         else:
             runs_before = runtime.runs_of(request.id)
             try:
                 strategy = park if self._parks(runtime, request) else backoff
-                run_id = strategy.admit(self, runtime, request, slots, holder, args, kwargs)
+                run_id = strategy.admit(self, runtime, request, slots, weights, holder, args, kwargs)
             except _GREEN_KILLS as exc:
                 self._give_back_when_killed(runtime, request, runs_before, exc)
         # The body's request is a copy of this one: retry() finds the run there.
@@ -335,7 +337,9 @@ class CappedTask(Task):  # type: ignore[misc]
         except Exception as exc:  # the state is information; the task must still go back
             logger.warning("%s[%s]: could not store state %s (%s)", self.name, request.id, DEFERRED_STATE, exc)
 
-    def _admit_waiting(self, runtime: CapsRuntime, request: Any, slots: Mapping[str, int], holder: str) -> str | None:
+    def _admit_waiting(
+        self, runtime: CapsRuntime, request: Any, slots: Mapping[str, int], weights: Mapping[str, int], holder: str
+    ) -> str | None:
         """An eager run under ``caps_enforce_eager``: wait in this process until the caps admit.
 
         There is no broker to put it back to: a full cap, or a store error under
@@ -348,7 +352,9 @@ class CappedTask(Task):  # type: ignore[misc]
         attempt = 0
         while True:
             try:
-                admission, run_id = runtime.acquire(slots, task_id, holder, task_name=self.name, deferrals=attempt)
+                admission, run_id = runtime.acquire(
+                    slots, task_id, holder, task_name=self.name, deferrals=attempt, weights=weights
+                )
                 full = list(admission.full_slots)
             except StoreError as exc:
                 if settings.on_store_error != "defer":

@@ -12,6 +12,7 @@ no other store keeps: the most task ids that ever held each slot at once
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -46,6 +47,7 @@ class _LeaseEntry:
     expires_at: float
     task_name: str | None
     acquired_at: float
+    weight: int = 1
 
 
 @dataclass
@@ -69,6 +71,8 @@ class _WaiterEntry:
     claimed_by: str | None = None
     #: The deployment of the handle that parked it (only that deployment dispatches it).
     deployment: str = ""
+    #: Slot name -> the units it takes there, where above 1.
+    weights: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def waiting(self) -> bool:
@@ -98,13 +102,23 @@ class MemoryStore(ParkingStore):
         self._history: list[HistoryEvent] = []
         self._waiting: dict[str, _WaiterEntry] = {}  # task id -> waiter
         self._sequence = itertools.count()
-        #: Slot name -> the most distinct task ids that held a lease of it at once.
+        #: Slot name -> the most units of its limit its live holders took at once (with every
+        #: weight 1: the most distinct task ids that held a lease of it at once).
         self.peaks: dict[str, int] = {}
         #: Task id -> seconds between its park and its claim (store clock), for tasks that waited.
         self.waited: dict[str, float] = {}
 
     def _live_task_ids(self, slot: str, now: float) -> set[str]:
         return {lease.task_id for lease in self._leases.get(slot, {}).values() if lease.expires_at > now}
+
+    def _units(self, slot: str, limit: int, now: float) -> int:
+        """The units of ``slot``'s limit its live holders take: each task id once, at its
+        largest weight, at most ``limit``."""
+        weights: dict[str, int] = {}
+        for lease in self._leases.get(slot, {}).values():
+            if lease.expires_at > now:
+                weights[lease.task_id] = max(weights.get(lease.task_id, 0), min(lease.weight, limit))
+        return sum(weights.values())
 
     def acquire(
         self,
@@ -114,24 +128,45 @@ class MemoryStore(ParkingStore):
         holder: str,
         lease_seconds: float,
         task_name: str | None = None,
+        weights: Mapping[str, int] | None = None,
     ) -> Admission:
         with self._lock:
             now = self.clock()
             for slot in slots:
                 self._limits[slot] = slots[slot]
-            full = self._full_slots(self._current_limits(slots), task_id, now)
+            full = self._full_slots(self._current_limits(slots), weights or {}, task_id, now, newcomer=True)
             if full:
                 return Admission(False, tuple(full))
-            self._add_leases(slots, run_id, task_id, holder, now + lease_seconds, task_name, now)
+            self._add_leases(slots, weights or {}, run_id, task_id, holder, now + lease_seconds, task_name, now)
             return Admission(True)
 
-    def _full_slots(self, slots: Mapping[str, int], task_id: str, now: float) -> list[str]:
+    def _full_slots(
+        self, limits: Mapping[str, int], weights: Mapping[str, int], task_id: str, now: float, *, newcomer: bool
+    ) -> list[str]:
+        """The slots of ``limits`` (their limits in force) without room for ``task_id`` at
+        ``weights``; a ``newcomer`` (an admission, not a dispatch) also finds no room in a
+        slot its oldest heavy waiter holds (see :class:`ParkingStore`)."""
         full = []
-        for slot in sorted(slots):
-            live = self._live_task_ids(slot, now)
-            if task_id not in live and len(live) >= slots[slot]:
+        for slot in sorted(limits):
+            if task_id in self._live_task_ids(slot, now):
+                continue
+            free = limits[slot] - self._units(slot, limits[slot], now)
+            if min(weights.get(slot, 1), limits[slot]) > free or (newcomer and self._held(slot, free, task_id)):
                 full.append(slot)
         return full
+
+    def _held(self, slot: str, free: int, task_id: str) -> bool:
+        """Whether the oldest heavy waiting entry of ``slot`` needs more than ``free`` units."""
+        heavy = self._in_order(
+            entry
+            for entry in self._waiting.values()
+            if entry.waiting
+            and entry.deployment == self.deployment
+            and entry.weights.get(slot, 1) > 1
+            and entry.task_id != task_id
+        )
+        limit = self._current_limits([slot])[slot]
+        return bool(heavy) and min(heavy[0].weights[slot], limit) > free
 
     def _current_limits(self, slots: Iterable[str]) -> dict[str, int]:
         """The slots' limits now: the operator's, else as their sentinels hold them (the last
@@ -160,10 +195,11 @@ class MemoryStore(ParkingStore):
             if entry is not None and entry.listed:
                 return ParkOutcome.WAITING if entry.task_name == request.task_name else ParkOutcome.ID_IN_USE
             dispatches = entry.dispatches if entry is not None else 0  # a tombstone's count lives on
-            if not self._full_slots(self._current_limits(slots), task_id, now):
+            if not self._full_slots(self._current_limits(slots), request.weights, task_id, now, newcomer=True):
                 self._add_leases(
-                    slots, request.run_id, task_id, request.holder, now + request.lease_seconds, request.task_name, now
-                )
+                    slots, request.weights, request.run_id, task_id, request.holder, now + request.lease_seconds,
+                    request.task_name, now,
+                )  # fmt: skip
                 return ParkOutcome.ADMITTED
             if request.payload is None:
                 return ParkOutcome.FULL
@@ -173,12 +209,14 @@ class MemoryStore(ParkingStore):
             self._waiting[task_id] = _WaiterEntry(
                 task_id, tuple(sorted(slots)), request.payload, request.first_deferred_at, now, next(self._sequence),
                 request.task_name, dispatches=dispatches, deployment=self.deployment,
+                weights={slot: weight for slot, weight in request.weights.items() if weight > 1},
             )  # fmt: skip
             return ParkOutcome.PARKED
 
     def _add_leases(
         self,
         slots: Collection[str],
+        weights: Mapping[str, int],
         run_id: str,
         task_id: str,
         holder: str,
@@ -186,9 +224,11 @@ class MemoryStore(ParkingStore):
         task_name: str | None,
         now: float,
     ) -> None:
+        limits = self._current_limits(slots)
         for slot in slots:
-            self._leases.setdefault(slot, {})[run_id] = _LeaseEntry(task_id, holder, expires_at, task_name, now)
-            self.peaks[slot] = max(self.peaks.get(slot, 0), len(self._live_task_ids(slot, now)))
+            lease = _LeaseEntry(task_id, holder, expires_at, task_name, now, weights.get(slot, 1))
+            self._leases.setdefault(slot, {})[run_id] = lease
+            self.peaks[slot] = max(self.peaks.get(slot, 0), self._units(slot, limits[slot], now))
 
     def _in_order(self, entries: Iterable[_WaiterEntry]) -> list[_WaiterEntry]:
         return sorted(entries, key=lambda waiter: (waiter.first_deferred_at, waiter.parked_at, waiter.sequence))
@@ -197,8 +237,9 @@ class MemoryStore(ParkingStore):
         run_id = uuid.uuid4().hex
         if leases:
             self._add_leases(
-                entry.slots, run_id, entry.task_id, DISPATCH_HOLDER, now + lease_seconds, entry.task_name, now
-            )
+                entry.slots, entry.weights, run_id, entry.task_id, DISPATCH_HOLDER, now + lease_seconds,
+                entry.task_name, now,
+            )  # fmt: skip
         entry.dispatch_run_id = run_id
         entry.dispatch_expires_at = now + lease_seconds
         entry.dispatches += 1
@@ -215,9 +256,14 @@ class MemoryStore(ParkingStore):
             and waiter.deployment == self.deployment
             and (only is None or not only.isdisjoint(waiter.slots))
         )
+        held: set[str] = set()  # slots an earlier waiter of this walk did not fit
         for waiter in waiting:
-            if not self._full_slots(self._current_limits(waiter.slots), waiter.task_id, now):
+            full = self._full_slots(
+                self._current_limits(waiter.slots), waiter.weights, waiter.task_id, now, newcomer=False
+            )
+            if not full and held.isdisjoint(waiter.slots):
                 woken.append(self._dispatch_locked(waiter, now, dispatch_lease_seconds, leases=True))
+            held.update(full)
         return woken
 
     def _release_and_wake(
@@ -302,7 +348,7 @@ class MemoryStore(ParkingStore):
             return False  # the same claim again: the run is this holder's already
         slots = [slot for slot, runs in self._leases.items() if run_id in runs]
         limits = self._current_limits(slots)
-        return any(len(self._live_task_ids(slot, now)) > limits[slot] for slot in slots)
+        return any(self._units(slot, limits[slot], now) > limits[slot] for slot in slots)
 
     def forget(self, task_id: str, dispatch_lease_seconds: float) -> tuple[int, list[Woken]]:
         with self._lock:
@@ -391,7 +437,7 @@ class MemoryStore(ParkingStore):
                 result.extend(
                     Waiter(
                         name, waiter.task_id, waiter.task_name, waiter.first_deferred_at, now - waiter.parked_at,
-                        position, waiter.dispatch_run_id is not None,
+                        position, waiter.dispatch_run_id is not None, waiter.weights.get(name, 1),
                     )
                     for position, waiter in enumerate(of_slot, 1)
                 )  # fmt: skip
@@ -450,7 +496,9 @@ class MemoryStore(ParkingStore):
             for slot in sorted(self._limits):
                 runs = self._leases.get(slot, {}).values()
                 expired = sum(1 for lease in runs if lease.expires_at <= now)
-                result.append(SlotStatus(slot, self._limits[slot], len(self._live_task_ids(slot, now)), expired))
+                live = len(self._live_task_ids(slot, now))
+                units = self._units(slot, self._current_limits([slot])[slot], now)
+                result.append(SlotStatus(slot, self._limits[slot], live, expired, units if units != live else None))
             return result
 
     def leases(self, slot: str | None = None) -> list[Lease]:
@@ -465,6 +513,7 @@ class MemoryStore(ParkingStore):
                     lease.expires_at - now,
                     lease.task_name,
                     now - lease.acquired_at,
+                    lease.weight,
                 )
                 for name, runs in sorted(self._leases.items())
                 if slot is None or name == slot
