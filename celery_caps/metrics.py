@@ -314,12 +314,14 @@ class FleetCollector:
         up.add_metric([], 1)
         yield up
         held: dict[str, int] = {}
+        units: dict[str, int] = {}
         limits: dict[str, int] = {}
         keys: dict[str, int] = {}
         expired: dict[str, int] = {}
         for status in statuses:
             cap, separator, _key = status.slot.partition(":")
             held[cap] = held.get(cap, 0) + status.holders
+            units[cap] = units.get(cap, 0) + status.used
             expired[cap] = expired.get(cap, 0) + status.expired
             keys[cap] = keys.get(cap, 0) + (1 if separator else 0)
             if status.limit is not None:
@@ -327,6 +329,11 @@ class FleetCollector:
         self._warn_about_keys(keys)
         gauges = [
             ("celery_caps_slots_held", "Distinct tasks holding a live lease, summed over a cap's keys", held),
+            (
+                "celery_caps_slot_units_held",
+                "Units of the limit live leases take (weights), summed over a cap's keys",
+                units,
+            ),
             ("celery_caps_slot_limit", "A cap's limit (per key, for keyed caps)", limits),
             ("celery_caps_keys", "Distinct keys (slot names) a keyed cap has in the store", keys),
             ("celery_caps_expired_leases", "Expired leases not swept yet", expired),

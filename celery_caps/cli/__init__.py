@@ -121,6 +121,8 @@ class CapSummary:
     holders: int
     expired: int
     tasks: tuple[str, ...]
+    #: Units of the limits in use over the cap's slots (``holders`` unless some weigh more than 1).
+    units: int = 0
     #: Parked tasks over the cap's slots (a task waiting for two keys counts twice).
     waiters: int = 0
     #: The function(s) that give each key its limit (then ``limit`` is None), comma-separated.
@@ -166,6 +168,7 @@ def summarize(
                 keyed=info.keyed if info is not None else any(":" in status.slot for status in slots),
                 keys=sum(1 for status in slots if ":" in status.slot),
                 holders=sum(status.holders for status in slots),
+                units=sum(status.used for status in slots),
                 expired=sum(status.expired for status in slots),
                 tasks=info.tasks if info is not None else (),
                 waiters=sum(waiting[status.slot].waiters for status in slots if status.slot in waiting),
@@ -192,6 +195,11 @@ def _limit_cell(line: CapSummary) -> str | Any:
     return cell + (f" ({line.keys_set} key(s) set)" if line.keys_set else "")
 
 
+def _held_text(holders: int, units: int) -> str:
+    """A holders cell: ``3``, or ``2 (5 units)`` where some holders weigh more than 1."""
+    return str(holders) if units == holders else f"{holders} ({units} units)"
+
+
 def _status_tables(
     operator: Operator, statuses: Sequence[SlotStatus], cap: str | None, waiting: Mapping[str, SlotWaiting]
 ) -> list[Any]:
@@ -215,7 +223,7 @@ def _status_tables(
             keys = Text.assemble((str(line.keys), "bold red"), f" (> {threshold})")
         name = line.cap if line.registered else Text.assemble(line.cap, (" (not registered)", "dim"))
         limit_cell = _limit_cell(line)
-        cells = [name, limit_cell, keys, str(line.holders), str(line.expired)]
+        cells = [name, limit_cell, keys, _held_text(line.holders, line.units), str(line.expired)]
         if show_waiting:
             cells.append(str(line.waiters))
         summary.add_row(*cells, ", ".join(line.tasks) or "-")
@@ -227,9 +235,9 @@ def _status_tables(
         if cap is not None and status.slot.partition(":")[0] != cap:
             continue
         limit = operator.limit_of(status.slot, status.limit)
-        holders: str | Text = str(status.holders)
-        if limit is not None and status.holders >= limit:
-            holders = Text.assemble((str(status.holders), "bold"), " (full)")
+        holders: str | Text = _held_text(status.holders, status.used)
+        if limit is not None and status.used >= limit:
+            holders = Text.assemble((_held_text(status.holders, status.used), "bold"), " (full)")
         limit_text = str(limit) if limit is not None else "?"
         set_for = operator.limit_set_for(status.slot)
         if set_for is not None:
@@ -267,6 +275,7 @@ def status(ctx: click.Context, as_json: bool, cap: str | None) -> None:
                         "keyed": line.keyed,
                         "keys": line.keys,
                         "holders": line.holders,
+                        "units": line.units,
                         "expired": line.expired,
                         "waiters": line.waiters,
                         "tasks": list(line.tasks),
@@ -282,6 +291,7 @@ def status(ctx: click.Context, as_json: bool, cap: str | None) -> None:
                         "limit_source": operator.limit_source(status.slot),
                         "limit_set_for": operator.limit_set_for(status.slot),
                         "holders": status.holders,
+                        "units": status.used,
                         "expired": status.expired,
                         "waiters": waiting[status.slot].waiters if status.slot in waiting else 0,
                         "oldest_waiter_seconds": waiting[status.slot].oldest_seconds

@@ -241,21 +241,29 @@ def lease_json(lease: Lease) -> dict[str, Any]:
         "age_seconds": lease.age,
         "expires_in_seconds": lease.expires_in,
         "run_id": lease.run_id,
+        "weight": lease.weight,
     }
 
 
 def lease_table(leases: Iterable[Lease], title: str | None = None) -> Any:
     from rich.table import Table
 
+    leases = list(leases)
+    weighted = any(lease.weight > 1 for lease in leases)
     table = Table(title=title, title_justify="left")
     for column in ("slot", "task id", "task", "worker", "pid"):
         table.add_column(column)
+    if weighted:
+        table.add_column("weight", justify="right")
     table.add_column("age", justify="right")
     table.add_column("expires in", justify="right")
     for lease in leases:
         node, pid = split_holder(lease.holder)
         expires = duration(lease.expires_in) if lease.expires_in > 0 else f"expired {duration(-lease.expires_in)} ago"
-        table.add_row(lease.slot, lease.task_id, lease.task_name or "?", node, pid, duration(lease.age), expires)
+        weight = [str(lease.weight)] if weighted else []
+        table.add_row(
+            lease.slot, lease.task_id, lease.task_name or "?", node, pid, *weight, duration(lease.age), expires
+        )
     return table
 
 
@@ -269,6 +277,7 @@ def waiter_json(waiter: Waiter, now: float) -> dict[str, Any]:
         "waited_seconds": max(now - waiter.first_deferred_at, 0.0),
         "parked_seconds": waiter.age,
         "state": "dispatched" if waiter.dispatched else "waiting",
+        "weight": waiter.weight,
     }
 
 

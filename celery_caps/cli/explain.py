@@ -112,6 +112,7 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
         status = statuses.get(slot)
         limit = operator.limit_of(slot, status.limit if status else None)
         holders = status.holders if status else 0
+        units = status.used if status else 0
         slot_leases = [lease for lease in all_leases if lease.slot == slot and lease.expires_in > 0]
         slots.append(
             {
@@ -119,8 +120,9 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
                 "limit": limit,
                 "limit_source": operator.limit_source(slot),
                 "holders": holders,
+                "units": units,
                 "full": limit is not None
-                and holders >= limit
+                and units >= limit
                 and not any(lease.task_id == task_id for lease in slot_leases),
                 "held_by": [lease_json(lease) for lease in slot_leases if lease.task_id != task_id],
             }
@@ -244,7 +246,10 @@ def print_explanation(report: Mapping[str, Any]) -> None:
             limit = slot["limit"] if slot["limit"] is not None else "?"
             flag = (" FULL", "bold red") if slot["full"] else ""
             source = " (limit set by an operator)" if slot["limit_source"] == "operator" else ""
-            console.print(Text.assemble(f"    {slot['slot']}: {slot['holders']}/{limit} held{source}", flag))
+            held = f"{slot['holders']}/{limit} held"
+            if slot["units"] != slot["holders"]:
+                held = f"{slot['units']}/{limit} units held by {slot['holders']} task(s)"
+            console.print(Text.assemble(f"    {slot['slot']}: {held}{source}", flag))
             for lease in slot["held_by"]:
                 console.print(
                     f"      {lease['task_id']} {lease['task_name'] or '?'} on {lease['worker']}/{lease['pid']}, "

@@ -177,6 +177,11 @@ class SlotStatus:
     #: None where every holder takes one (it equals ``holders``).
     units: int | None = None
 
+    @property
+    def used(self) -> int:
+        """Units of the limit in use: what the limit is compared with."""
+        return self.holders if self.units is None else self.units
+
 
 def with_operator_limits(statuses: Iterable[SlotStatus], limits: Mapping[str, int]) -> list[SlotStatus]:
     """``statuses`` with each slot's limit the one its room is counted against: the operator's

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from celery_caps.caps import MAX_KEY_LENGTH, MAX_NAME_LENGTH, Cap, normalize_caps, slots_for
+from celery_caps.caps import MAX_KEY_LENGTH, MAX_NAME_LENGTH, Cap, normalize_caps, slots_for, weights_for
 from celery_caps.errors import CapKeyError, CapsError, ConfigurationError, StoreError
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import SlotStore, mask_url
@@ -461,3 +461,79 @@ def test_a_limit_function_returning_no_positive_int_is_refused_and_named(limit: 
 
     message = str(raised.value)
     assert "'imports'" in message and "must return a positive integer" in message and f"got {expected}" in message
+
+
+# -- weights -------------------------------------------------------------------------------
+
+
+def gpus_needed(model: str, **kwargs: Any) -> int:
+    return 3 if model.startswith("large-") else 1
+
+
+def test_a_weight_says_how_many_units_of_its_slot_a_call_takes() -> None:
+    caps = [Cap("gpu", 10, weight=gpus_needed), Cap("tenant", 2, key=tenant_key), Cap("disk", 4, weight=2)]
+
+    slots = slots_for(caps, ("large-7b",), {})
+    assert weights_for(caps, slots, ("large-7b",), {}) == {"gpu": 3, "disk": 2}
+    # Weights of 1 are left out: an unweighted call passes nothing more to the store
+    slots = slots_for(caps[:2], ("small",), {})
+    assert weights_for(caps[:2], slots, ("small",), {}) == {}
+
+
+@pytest.mark.parametrize(
+    ("weight", "expected"),
+    [
+        (0, "got 0"),
+        (-1, "got -1"),
+        (1.5, "got 1.5"),
+        ("2", "got '2'"),
+        (True, "got True"),
+        (11, "weight 11 is above its limit 10"),
+    ],
+    ids=repr,
+)
+def test_a_bad_weight_in_code_is_refused_when_the_cap_is_declared(weight: object, expected: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        Cap("gpu", 10, weight=weight)  # type: ignore[arg-type]
+
+    assert "'gpu'" in str(raised.value) and expected in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("weight", "expected"),
+    [
+        (0, "must return a positive integer, got int 0"),
+        (2.0, "must return a positive integer, got float 2.0"),
+        (None, "must return a positive integer, got NoneType None"),
+        (11, "returned 11, above the call's limit 10"),
+    ],
+    ids=repr,
+)
+def test_a_weight_function_returning_a_bad_weight_fails_the_call_naming_it(weight: object, expected: str) -> None:
+    def weight_of(model: str) -> object:
+        return weight
+
+    cap = Cap("gpu", 10, weight=weight_of)
+    with pytest.raises(CapKeyError) as raised:
+        weights_for([cap], {"gpu": 10}, ("large",), {})
+
+    message = str(raised.value)
+    assert "'gpu'" in message and "weight_of" in message and expected in message
+
+
+def test_a_weight_function_that_raises_becomes_a_cap_key_error() -> None:
+    def weight_of(model: str) -> int:
+        raise KeyError(model)
+
+    with pytest.raises(CapKeyError, match=r"'gpu': weight function .*weight_of raised KeyError: 'large'") as raised:
+        weights_for([Cap("gpu", 10, weight=weight_of)], {"gpu": 10}, ("large",), {})
+    assert isinstance(raised.value.__cause__, KeyError)
+
+
+def test_a_weight_above_the_limit_a_limit_function_gives_fails_that_call() -> None:
+    cap = Cap("tenant", plan_limit, key=tenant_key, weight=3)
+    assert weights_for([cap], slots_for([cap], ("premium-acme",), {}), ("premium-acme",), {}) == {
+        "tenant:premium-acme": 3
+    }
+    with pytest.raises(CapKeyError, match=r"'tenant': weight 3 is above the call's limit 1"):
+        weights_for([cap], slots_for([cap], ("globex",), {}), ("globex",), {})
