@@ -261,7 +261,9 @@ class MemoryStore(ParkingStore):
             full = self._full_slots(
                 self._current_limits(waiter.slots), waiter.weights, waiter.task_id, now, newcomer=False
             )
-            if not full and held.isdisjoint(waiter.slots):
+            # A slot its task id holds already takes no units: held or not, it has room.
+            takes = [slot for slot in waiter.slots if waiter.task_id not in self._live_task_ids(slot, now)]
+            if not full and held.isdisjoint(takes):
                 woken.append(self._dispatch_locked(waiter, now, dispatch_lease_seconds, leases=True))
             held.update(full)
         return woken

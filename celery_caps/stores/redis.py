@@ -36,8 +36,14 @@ key                            type    content
                                        score 0, so that a cap's keys are a range by name
                                        (the sweep counts them with ``ZLEXCOUNT``); the
                                        member ``""`` marks it complete
+``P:slot:{E}:weights``         HASH    task id -> its weight in the slot (the largest of
+                                       its runs there), for the task ids of weight above 1
+                                       alone: absent while every holder takes one unit
 ``P:runs``                     HASH    run id -> MessagePack ``[task id, holder, slot...]``;
-                                       run id + NUL + ``meta`` -> ``[task name, taken at]``
+                                       run id + NUL + ``meta`` -> ``[task name, taken at]``;
+                                       run id + NUL + ``weights`` -> MessagePack
+                                       ``{slot: weight}`` of the slots where it is above 1
+                                       (no field for a run of weight 1 everywhere)
 ``P:expiry``                   ZSET    run id -> expiry (every lease of a run shares
                                        one); the sweep's index
 ``P:task:<task id>``           SET     run ids of a task id; releasing a task or a
@@ -56,7 +62,9 @@ key                            type    content
                                        and deadline (empty while waiting), how many
                                        times it was dispatched, the signature, the slot
                                        names it waits for (no limits: a waiter is
-                                       dispatched against the limits in ``P:limits``)
+                                       dispatched against the limits in ``P:limits``);
+                                       task id + NUL + ``weights`` -> its weights, as a
+                                       run's (no field for weight 1 everywhere)
 ``P:payloads``                 HASH    task id -> its message, opaque bytes (kept apart
                                        so that walking a list never reads payloads)
 ``P:waitlists``                SET     slot names whose waiting list is not empty
@@ -70,6 +78,10 @@ key                            type    content
 ``P:slot:{E}:waiters:D``       ZSET    the members of ``P:slot:{E}:waiters`` whose
                                        entries are of deployment ``D`` (not ``""``),
                                        as there: the list a handle of ``D`` walks
+``P:slot:{E}:heavy``           ZSET    the waiting (not dispatched) entries of deployment
+``P:slot:{E}:heavy:D``                 ``""`` (``D``) whose weight in the slot is above 1,
+                                       in waiting order (the waiters member, NUL, the
+                                       weight): the oldest holds the room it needs
 ``P:done:<task id>``           STRING  a tombstone: MessagePack (the claimed dispatch's
                                        run id, the holder that claimed it, the count
                                        of dispatches), with a TTL of ``done_seconds``
@@ -86,7 +98,19 @@ walks the waiting lists of the released slots together, oldest first, and stops
 walking a list once its slot is full.  A waiter passed over because another of its
 slots is full marks its signature, so the waiters behind it that need the same
 slots are passed over without reading their records (one ``ZSCORE`` each, for the
-case where a task id already holds that slot).  ``park`` of a task id listed
+case where a task id already holds that slot).
+
+Weights (a task taking ``w`` units of a slot's limit): a slot's units are its live task ids
+(one ``ZCOUNT``) plus, for each live task id of ``P:slot:{E}:weights``, its weight (at most the
+limit in force) less 1.  An admission (``acquire``, ``park``) of a slot whose live task ids
+leave room first asks whether the slot has weighted holders or heavy entries (one ``EXISTS`` of
+its two keys): without, room is counted as without weights; with, it reads the weighted holders
+(``HGETALL``, a ``ZSCORE`` each) and the oldest heavy entry of the handle's deployment
+(``ZRANGE 0 1``), which holds the room it needs against newcomers.  A hand-over reads each walked
+slot's weighted holders once; an entry that does not fit a slot closes that slot for the
+entries after it in the walk (a task id holding the slot already still passes: it counts once).
+A weighted run's leaving recomputes its task's weight in each of its slots from the task's
+runs that remain.  ``park`` of a task id listed
 already changes nothing: the entry answers for it if it has the same task name
 (whatever slots the copy asks for now), else the id is in use by another task.
 
@@ -114,8 +138,8 @@ on), ``park`` replaces it by an entry that keeps its count of dispatches.
 
 No operation uses ``KEYS`` or ``SCAN``: renewing or releasing a run costs its own
 leases, releasing a task costs its own runs, the sweep costs the expired leases
-(plus ``log n``), admission costs ``O(log n)`` per slot; parking costs
-``O(log n)`` per slot, a release with waiters the waiters it passes over (about
+(plus ``log n``), admission costs ``O(log n)`` per slot (and the slot's weighted holders,
+where it has some); parking costs ``O(log n)`` per slot, a release with waiters the waiters it passes over (about
 2 µs of Redis time each; a handle without a deployment also passes over every entry
 of another deployment, about 2 µs each), ``recover`` the unclaimed dispatches, the
 waiters of the caps it serves, with task names the waiters of every other list
@@ -541,6 +565,7 @@ class RedisStore(ParkingStore):
         holder: str,
         lease_seconds: float,
         task_name: str | None = None,
+        weights: Mapping[str, int] | None = None,
     ) -> Admission:
         seconds = self._seconds(lease_seconds)
         # A run id that already holds leases has them replaced when admitted: the
@@ -550,10 +575,11 @@ class RedisStore(ParkingStore):
         if not slots:
             return Admission(True)
         keys = [*self._index_keys, self.task_key(task_id)]
-        args = self._run_args(task_id, run_id, holder, seconds, task_name)
+        # The handle's deployment: its oldest heavy waiter of a slot holds the room it needs.
+        args = [*self._run_args(task_id, run_id, holder, seconds, task_name), _encode(self.deployment)]
         for slot in sorted(slots):
             keys.extend(self.slot_keys(slot))
-            args.extend((_encode(slot), str(int(slots[slot]))))
+            args.extend(self._slot_args(slot, slots, weights))
         reply = self._run("acquire", self._acquire, keys, args)
         if int(reply[0]) == 1:
             return Admission(True)
@@ -564,6 +590,11 @@ class RedisStore(ParkingStore):
     ) -> list[bytes | str]:
         """The arguments the admission and park scripts start with: who wants the slots, for how long."""
         return [self._prefix, _encode(task_id), _encode(run_id), _encode(holder), seconds, _encode(task_name or "")]
+
+    @staticmethod
+    def _slot_args(slot: str, slots: Mapping[str, int], weights: Mapping[str, int] | None) -> tuple[bytes, str, str]:
+        """A slot's arguments to the admission and park scripts: its name, limit and the task's weight there."""
+        return _encode(slot), str(int(slots[slot])), str(int((weights or {}).get(slot, 1)))
 
     def renew(self, run_ids: Collection[str], lease_seconds: float) -> dict[str, int]:
         seconds = self._seconds(lease_seconds)
@@ -609,9 +640,11 @@ class RedisStore(ParkingStore):
         statuses: dict[str, SlotStatus] = {}
         for names in self._slot_names():
             reply = self._run("status", self._status, [self._limits_key], [self._prefix, *names])
-            for i in range(0, len(reply), 4):
-                slot = _text(reply[i])
-                statuses[slot] = SlotStatus(slot, int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]))
+            for i in range(0, len(reply), 5):
+                slot, units = _text(reply[i]), reply[i + 4]
+                statuses[slot] = SlotStatus(
+                    slot, int(reply[i + 1]), int(reply[i + 2]), int(reply[i + 3]), int(units) if units else None
+                )
         return [statuses[slot] for slot in sorted(statuses)]
 
     def keys_per_cap(self, at_most: int | None = None) -> dict[str, int]:
@@ -632,7 +665,7 @@ class RedisStore(ParkingStore):
         args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]
         reply = self._run("leases", self._leases, self._index_keys, args)
         leases = []
-        for i in range(0, len(reply), 7):
+        for i in range(0, len(reply), 8):
             slot_name, task_id, run_id, holder, task_name, age = (
                 _text(value) for value in (*reply[i : i + 4], *reply[i + 5 : i + 7])
             )
@@ -645,6 +678,7 @@ class RedisStore(ParkingStore):
                     float(reply[i + 4]),
                     task_name or None,
                     float(age) if age else None,
+                    int(reply[i + 7]),
                 )
             )
         return sorted(leases, key=lambda lease: (lease.slot, lease.expires_in))
@@ -711,7 +745,7 @@ class RedisStore(ParkingStore):
         ]
         for slot in sorted(request.slots):
             keys.extend((*self.slot_keys(slot), self.waiters_key(slot)))
-            args.extend((_encode(slot), str(int(request.slots[slot]))))
+            args.extend(self._slot_args(slot, request.slots, request.weights))
         return _PARK_OUTCOMES[bytes(self._run("park", self._park, keys, args))]
 
     @staticmethod
@@ -830,7 +864,7 @@ class RedisStore(ParkingStore):
         args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]
         reply = self._run("waiters", self._waiters, self._waitlist_keys, args)
         by_slot: dict[str, list[Waiter]] = {}
-        for i in range(0, len(reply), 6):
+        for i in range(0, len(reply), 7):
             name = _text(reply[i])
             of_slot = by_slot.setdefault(name, [])
             of_slot.append(
@@ -842,6 +876,7 @@ class RedisStore(ParkingStore):
                     float(reply[i + 4]),
                     len(of_slot) + 1,
                     reply[i + 5] == b"1",
+                    int(reply[i + 6]),
                 )
             )
         return [waiter for name in sorted(by_slot) for waiter in by_slot[name]]

@@ -26,22 +26,23 @@ if run ~= nil then
   local expiry = redis.call('ZSCORE', expiry_key, run_id)
   live = expiry ~= false and tonumber(expiry) > now
 end
-local record = read_waiter(keys.waiting, task_id)
+local record, record_weights = read_waiter(keys.waiting, task_id)
 
 -- The entry leaves the list; a tombstone stays if other copies may be on their way.
 -- (`tombstone`: always leave one; else only if the entry was dispatched more than once.)
 local function settle(tombstone)
-  settle_waiter(prefix, keys, task_id, record, tombstone or record[RECORD_DISPATCHES] > 1, done_milliseconds, holder)
+  settle_waiter(prefix, keys, task_id, record, record_weights, tombstone or record[RECORD_DISPATCHES] > 1,
+    done_milliseconds, holder)
 end
 
--- Whether a slot of the run holds more live task ids than its limit now (the operator's, else
--- its sentinel's), the run's own task among them: a limit cut since the dispatch.
+-- Whether a slot of the run holds more units than its limit now (the operator's, else its
+-- sentinel's), the run's own among them: a limit cut since the dispatch.
 local function over_limit()
   for j = 3, #run do
     local slot = run[j]
-    local limit = operator_limit(prefix, slot) or tonumber(redis.call('HGET', KEYS[1], slot))
-    local live_tasks = redis.call('ZCOUNT', slot_key(prefix, slot, 'tasks'), '(' .. score_text(now), '+inf')
-    if limit ~= nil and live_tasks > limit then
+    local state = slot_state(prefix, slot, now, nil)
+    local limit = state.limit or tonumber(redis.call('HGET', KEYS[1], slot))
+    if limit ~= nil and (state.live > limit or slot_units(prefix, slot, state, limit, now) > limit) then
       return true
     end
   end

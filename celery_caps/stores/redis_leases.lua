@@ -3,7 +3,7 @@
 -- KEYS: limits, runs, expiry
 -- ARGV: prefix [, slot name]
 -- Returns {slot, task id, run id, holder, seconds until expiry, task name, age in
--- seconds, ...}; the seconds are text, since a Lua number in a reply would be
+-- seconds, weight, ...}; the seconds are text, since a Lua number in a reply would be
 -- truncated to an integer; task name and age are '' when unknown.
 
 local runs_key, expiry_key = KEYS[2], KEYS[3]
@@ -11,7 +11,7 @@ local prefix, only_slot = ARGV[1], ARGV[2]
 local now = now_seconds()
 
 local leases = {}
-local function add(slot, run_id, run, expiry)
+local function add(slot, run_id, run, weights, expiry)
   leases[#leases + 1] = slot
   leases[#leases + 1] = run[1]
   leases[#leases + 1] = run_id
@@ -26,23 +26,24 @@ local function add(slot, run_id, run, expiry)
     leases[#leases + 1] = ''
     leases[#leases + 1] = ''
   end
+  leases[#leases + 1] = weights and weights[slot] or 1
 end
 
 if only_slot then
   local entries = redis.call('ZRANGE', slot_key(prefix, only_slot, 'runs'), 0, -1, 'WITHSCORES')
   for i = 1, #entries, 2 do
-    local run = read_run(runs_key, entries[i])
+    local run, weights = read_run(runs_key, entries[i])
     if run ~= nil then
-      add(only_slot, entries[i], run, entries[i + 1])
+      add(only_slot, entries[i], run, weights, entries[i + 1])
     end
   end
 else
   local entries = redis.call('ZRANGE', expiry_key, 0, -1, 'WITHSCORES')
   for i = 1, #entries, 2 do
-    local run = read_run(runs_key, entries[i])
+    local run, weights = read_run(runs_key, entries[i])
     if run ~= nil then
       for j = 3, #run do
-        add(run[j], entries[i], run, entries[i + 1])
+        add(run[j], entries[i], run, weights, entries[i + 1])
       end
     end
   end

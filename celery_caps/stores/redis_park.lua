@@ -9,7 +9,7 @@
 -- ARGV: prefix, task id, run id, holder, lease seconds, task name ('' if none), payload,
 --       '1' if a payload is given else '0', first-deferral time, max waiters, the deployment
 --       of the store's handle ('' for none: recorded with the entry), then per slot (sorted):
---       name, limit
+--       name, limit, weight
 -- Returns 'waiting' (the entry is of the same task name: nothing changed),
 -- 'id_in_use' (it is another task's: nothing changed), 'admitted', 'full' (no payload: nothing
 -- stored), 'waitlist_full' (a slot has max waiters already: nothing stored) or 'parked'.  Only
@@ -22,17 +22,23 @@ local lease_seconds, task_name, payload, has_payload = tonumber(ARGV[5]), ARGV[6
 local first_deferred_at, max_waiters, deployment = ARGV[9], tonumber(ARGV[10]), ARGV[11]
 local FIRST_SLOT = 12
 local FIRST_SLOT_KEY = 10
-local slot_count = (#ARGV - FIRST_SLOT + 1) / 2
+local slot_count = (#ARGV - FIRST_SLOT + 1) / 3
 local now, now_text = now_with_text()
 
 -- Derive the keys the caller named, as acquire does: the two spellings must agree.
 if task_key(prefix, task_id) ~= KEYS[8] or done_key(prefix, task_id) ~= KEYS[9] then
   return redis.error_reply('celery-caps: key layout mismatch (task keys)')
 end
-local names, limits, waiters_keys = {}, {}, {}
+local names, limits, slot_weights, waiters_keys = {}, {}, {}, {}
+local weights = nil -- slot -> weight, for the slots where it is above 1
 for i = 1, slot_count do
-  local slot = ARGV[FIRST_SLOT + 2 * (i - 1)]
-  names[i], limits[i] = slot, ARGV[FIRST_SLOT + 2 * (i - 1) + 1]
+  local at = FIRST_SLOT + 3 * (i - 1)
+  local slot = ARGV[at]
+  names[i], limits[i], slot_weights[i] = slot, ARGV[at + 1], tonumber(ARGV[at + 2])
+  if slot_weights[i] > 1 then
+    weights = weights or {}
+    weights[slot] = slot_weights[i]
+  end
   local base = FIRST_SLOT_KEY + 3 * (i - 1)
   waiters_keys[i] = KEYS[base + 2]
   if slot_key(prefix, slot, 'runs') ~= KEYS[base] or slot_key(prefix, slot, 'tasks') ~= KEYS[base + 1]
@@ -59,13 +65,13 @@ end
 -- Admission, exactly as acquire.
 local full = false
 for i = 1, slot_count do
-  if not slot_has_room(prefix, names[i], tonumber(limits[i]), task_id, now) then
+  if not slot_has_room(prefix, names[i], tonumber(limits[i]), task_id, now, nil, slot_weights[i], deployment) then
     full = true
   end
 end
 if not full then
   if slot_count > 0 then
-    write_run(prefix, runs_key, expiry_key, task_id, run_id, holder, names, lease_seconds, now, task_name)
+    write_run(prefix, runs_key, expiry_key, task_id, run_id, holder, names, lease_seconds, now, task_name, weights)
   end
   return 'admitted'
 end
@@ -89,6 +95,10 @@ for i = 1, slot_count do
   record[#record + 1] = names[i]
 end
 write_waiter(keys.waiting, task_id, record)
+if weights ~= nil then
+  redis.call('HSET', keys.waiting, weights_field(task_id), cmsgpack.pack(weights))
+  mark_heavy(prefix, task_id, record, weights, deployment, true)
+end
 redis.call('HSET', keys.payloads, task_id, payload)
 local member = waiter_member(record, task_id)
 for i = 1, slot_count do

@@ -84,7 +84,7 @@ local woken = {}
 -- dispatched again at once without leases, its copy given the longer the more it missed: it
 -- holds no slot while the cap's other waiters are served.
 for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', score_text(now))) do
-  local record = read_waiter(keys.waiting, task_id)
+  local record, weights = read_waiter(keys.waiting, task_id)
   if record == nil then
     redis.call('ZREM', keys.dispatches, task_id)
   elseif in_scope(record) and lists.owns(task_id) then
@@ -94,10 +94,12 @@ for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', keys.dispatches, '-inf', sc
       record[RECORD_RUN_ID], record[RECORD_DEADLINE] = '', ''
       local dispatches = tonumber(record[RECORD_DISPATCHES])
       if dispatches >= LEASED_DISPATCHES then
-        dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, next_run_id(), now,
+        dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, weights, next_run_id(), now,
           unleased_dispatch_seconds(dispatches, lease_seconds), false, woken)
       else
         write_waiter(keys.waiting, task_id, record)
+        -- Waiting again: a heavy entry holds its room again.
+        mark_heavy(prefix, task_id, record, weights, deployment, true)
       end
     end
   end

@@ -4,7 +4,7 @@
 -- KEYS: limits, runs, expiry, waiting, payloads, waitlists, dispatches
 -- ARGV: prefix [, slot name]
 -- Returns {slot, task id, task name, first deferral, seconds since parked,
--- '1' if dispatched else '0', ...}, each slot's waiters in waiting order.
+-- '1' if dispatched else '0', weight in the slot, ...}, each slot's waiters in waiting order.
 
 local keys = waitlist_keys()
 local prefix = ARGV[1]
@@ -15,7 +15,7 @@ local listed = {}
 for _, slot in ipairs(slots) do
   for _, member in ipairs(redis.call('ZRANGE', slot_key(prefix, slot, 'waiters'), 0, -1)) do
     local task_id = waiter_task_id(member)
-    local record = read_waiter(keys.waiting, task_id)
+    local record, weights = read_waiter(keys.waiting, task_id)
     if record ~= nil then
       listed[#listed + 1] = slot
       listed[#listed + 1] = task_id
@@ -23,6 +23,7 @@ for _, slot in ipairs(slots) do
       listed[#listed + 1] = record[RECORD_FIRST_DEFERRAL]
       listed[#listed + 1] = string.format('%.6f', now - tonumber(record[RECORD_PARKED]))
       listed[#listed + 1] = is_waiting(record) and '0' or '1'
+      listed[#listed + 1] = tostring(weights and weights[slot] or 1)
     end
   end
 end

@@ -18,6 +18,8 @@
 --   P:slot:{E}:waiters:<deployment>  ZSET  the members of the slot's waiting list that are of
 --                             that (non-empty) deployment, as they are in P:slot:{E}:waiters
 --                             (which holds every deployment's)
+--   P:slot:{E}:heavy[:<deployment>]  ZSET  the waiting entries of weight above 1 in the slot (see
+--                             heavy_key in redis_common.lua)
 --   P:done:<task id>    STRING  a tombstone: MessagePack { the claimed (or last) dispatch's run id,
 --                             the holder that claimed it ('' if forgotten), the entry's count of
 --                             dispatches }, expiring (PEXPIRE) after the store's done_seconds
@@ -31,11 +33,6 @@
 
 -- The holder of a dispatch lease until its task claims it.
 local DISPATCH_HOLDER = 'caps-dispatch'
-
--- Length of the park-time text that starts a waiters member (see now_with_text), and
--- of the slot signature after it.
-local PARKED_WIDTH = 18
-local SIGNATURE_WIDTH = 16
 
 -- A record: { first deferral (text), park time (text), task name ('' if none), dispatch
 -- run id ('' while waiting), dispatch deadline (text, '' while waiting), dispatches so far
@@ -83,12 +80,15 @@ local function deployment_waiters_key(prefix, slot, deployment)
   return slot_key(prefix, slot, 'waiters:' .. deployment)
 end
 
--- A record as written by park, with its slot names from RECORD_SLOTS on.  A record may also
+-- A record as written by park, with its slot names from RECORD_SLOTS on, and the entry's
+-- weights (nil: 1 in every slot), kept beside it under weights_field(task id) and read with it
+-- in one command.  A record may also
 -- hold a number after each name (the limit it parked with, as records parked by releases of
 -- the store that kept limits do): those are dropped here, so every reader sees names only,
 -- and the record is written back without them at its next dispatch.
 local function read_waiter(waiting_key, task_id)
-  local packed = redis.call('HGET', waiting_key, task_id)
+  local found = redis.call('HMGET', waiting_key, task_id, weights_field(task_id))
+  local packed, weights = found[1], unpack_weights(found[2])
   if not packed then
     return nil
   end
@@ -105,7 +105,7 @@ local function read_waiter(waiting_key, task_id)
       record[#record + 1] = name
     end
   end
-  return record
+  return record, weights
 end
 
 local function write_waiter(waiting_key, task_id, record)
@@ -213,11 +213,41 @@ local function entry_before(a, b)
   return bytes_less(a.member, b.member)
 end
 
+-- The deployment of an entry ('' for none).
+local function entry_deployment(prefix, task_id)
+  return redis.call('HGET', deployments_key(prefix), task_id) or ''
+end
+
+-- Put a waiting entry of `deployment` in (`add`), or take it out of, the heavy entries of each
+-- slot where its weight is above 1 (see heavy_key): an entry is there while it waits, neither
+-- dispatched nor settled.  Nothing to do for an entry of weight 1 everywhere (`weights` nil).
+local function mark_heavy(prefix, task_id, record, weights, deployment, add)
+  if weights == nil then
+    return
+  end
+  local member = waiter_member(record, task_id)
+  for i = RECORD_SLOTS, #record do
+    local weight = weights[record[i]]
+    if weight then
+      local key = heavy_key(prefix, record[i], deployment)
+      if add then
+        redis.call('ZADD', key, record[RECORD_FIRST_DEFERRAL], heavy_member(member, weight))
+      else
+        redis.call('ZREM', key, heavy_member(member, weight))
+      end
+    end
+  end
+end
+
 -- Take an entry off the waiting list: its member in each slot's list (and its deployment's),
--- its record, its payload, its dispatch, its deployment.
-local function remove_waiter(prefix, keys, task_id, record)
+-- its record and weights (and its place among the heavy entries), its payload, its dispatch,
+-- its deployment.
+local function remove_waiter(prefix, keys, task_id, record, weights)
   local member = waiter_member(record, task_id)
   local deployment = redis.call('HGET', deployments_key(prefix), task_id)
+  if is_waiting(record) then
+    mark_heavy(prefix, task_id, record, weights, deployment or '', false)
+  end
   for i = RECORD_SLOTS, #record do
     local waiters_key = slot_key(prefix, record[i], 'waiters')
     redis.call('ZREM', waiters_key, member)
@@ -228,7 +258,7 @@ local function remove_waiter(prefix, keys, task_id, record)
       redis.call('SREM', keys.waitlists, record[i])
     end
   end
-  redis.call('HDEL', keys.waiting, task_id)
+  redis.call('HDEL', keys.waiting, task_id, weights_field(task_id))
   redis.call('HDEL', keys.payloads, task_id)
   redis.call('ZREM', keys.dispatches, task_id)
   if deployment then
@@ -240,8 +270,8 @@ end
 -- `tombstone`, a record of it stays for `done_milliseconds`, so that copies of its dispatches
 -- still on their way end rather than run the task again; it expires by itself, and nothing
 -- ever walks it.
-local function settle_waiter(prefix, keys, task_id, record, tombstone, done_milliseconds, claimer)
-  remove_waiter(prefix, keys, task_id, record)
+local function settle_waiter(prefix, keys, task_id, record, weights, tombstone, done_milliseconds, claimer)
+  remove_waiter(prefix, keys, task_id, record, weights)
   if tombstone and done_milliseconds > 0 then
     local done = cmsgpack.pack({ record[RECORD_RUN_ID], claimer, record[RECORD_DISPATCHES] })
     redis.call('SET', done_key(prefix, task_id), done, 'PX', done_milliseconds)
@@ -288,15 +318,18 @@ local function run_id_source(runs_key, nonce)
   end
 end
 
--- Dispatch a waiting entry until now + `lease_seconds`: with leases (a run under its own task
--- id holding all its slots, holder DISPATCH_HOLDER, so no newer task takes the room) or
--- without (a readmit: its copy goes through admission again).  Appends it to `woken` as task
--- id, run id, task name, payload, '1' for a readmit else '0'.
-local function dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, run_id, now, lease_seconds,
-    with_leases, woken)
+-- Dispatch a waiting entry (of `weights`) until now + `lease_seconds`: with leases (a run under
+-- its own task id holding all its slots at its weights, holder DISPATCH_HOLDER, so no newer task
+-- takes the room) or without (a readmit: its copy goes through admission again).  Appends it to
+-- `woken` as task id, run id, task name, payload, '1' for a readmit else '0'.
+local function dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, weights, run_id, now,
+    lease_seconds, with_leases, woken)
   if with_leases then
     write_run(prefix, runs_key, expiry_key, task_id, run_id, DISPATCH_HOLDER, record_slot_names(record), lease_seconds,
-      now, record[RECORD_TASK_NAME])
+      now, record[RECORD_TASK_NAME], weights)
+  end
+  if weights ~= nil and is_waiting(record) then
+    mark_heavy(prefix, task_id, record, weights, entry_deployment(prefix, task_id), false)
   end
   record[RECORD_RUN_ID] = run_id
   record[RECORD_DEADLINE] = score_text(now + lease_seconds)
@@ -328,10 +361,10 @@ local function readmit_members(prefix, runs_key, expiry_key, keys, members, now,
   table.sort(entries, entry_before)
   for _, entry in ipairs(entries) do
     local task_id = waiter_task_id(entry.member)
-    local record = read_waiter(keys.waiting, task_id)
+    local record, weights = read_waiter(keys.waiting, task_id)
     if record ~= nil and is_waiting(record) then
-      dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, next_run_id(), now, lease_seconds, false,
-        woken)
+      dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, weights, next_run_id(), now, lease_seconds,
+        false, woken)
     end
   end
 end
@@ -347,14 +380,16 @@ end
 
 -- Dispatch with leases, oldest first, every waiting entry in the handle's waiting `lists` of
 -- `slots` (see handle_lists) that their test passes and whose every slot has room now, by the
--- slot's limit in the limits hash (a slot without one there counts as full).  A waiter that
--- does not fit is passed over and keeps its place; so does a waiter of another deployment,
--- which neither takes room nor stops the walk.  The woken are appended to `woken` (see
--- dispatch_entry).
+-- slot's limit in the limits hash (a slot without one there counts as full), each at its weight
+-- there.  A waiter that does not fit is passed over and keeps its place, and the slots it does
+-- not fit are given to no waiter after it in this walk (a heavy waiter keeps the room it needs
+-- from the light ones behind it); a waiter of another deployment neither takes room nor stops
+-- the walk.  The woken are appended to `woken` (see dispatch_entry).
 local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, lease_seconds, next_run_id, lists,
     woken)
   local is_own = lists.test
   local room = {} -- slot_has_room's cache
+  local refused = {} -- slot -> true once a waiter did not fit it: no later waiter takes it
   local limits = {} -- slot -> its limit (false if it has none), read once per call
 
   local function limit_of(slot)
@@ -456,35 +491,51 @@ local function dispatch_waiters(prefix, runs_key, expiry_key, keys, slots, now, 
     local task_id = waiter_task_id(member)
     seen[task_id] = true
     local blocking = blocked_by[waiter_signature(member)]
-    local record = nil
+    local record, weights = nil, nil
     if (is_own == nil or is_own(task_id, member))
         and (blocking == nil or holds_live_lease(blocking, task_id, now)) then
-      record = read_waiter(keys.waiting, task_id)
+      record, weights = read_waiter(keys.waiting, task_id)
     end
     if record ~= nil and is_waiting(record) then
       local fits = true
       for i = RECORD_SLOTS, #record do
         local slot = record[i]
         local limit = limit_of(slot)
-        if not limit or not slot_has_room(prefix, slot, limit, task_id, now, room) then
+        local has_room
+        if not limit then
+          has_room = false
+        elseif refused[slot] then
+          -- Given to no one after the waiter it refused, but a task id that holds it already
+          -- counts once and takes nothing.
+          has_room = holds_live_lease(slot_key(prefix, slot, 'tasks'), task_id, now)
+        else
+          has_room = slot_has_room(prefix, slot, limit, task_id, now, room, weights and weights[slot])
+        end
+        if not has_room then
+          if fits then
+            blocked_by[record[RECORD_SIGNATURE]] = slot_key(prefix, slot, 'tasks')
+          end
           fits = false
-          blocked_by[record[RECORD_SIGNATURE]] = slot_key(prefix, slot, 'tasks')
-          -- The slot is full for newcomers, so (its waiters sharing its limit) nobody
-          -- further down its own list fits either: stop walking it, which keeps a
-          -- release's cost to the waiters it passes over while its slots have room.
-          -- (A waiter further down whose task id already runs there, and so would
-          -- count once, waits for its turn.)
+          refused[slot] = true
+          -- Nobody further down the slot's own list takes it now: stop walking it, which
+          -- keeps a release's cost to the waiters it passes over while its slots have room.
+          -- (A waiter further down whose task id already runs there, and so would count
+          -- once, waits for its turn.)
           if cursor_of[slot] ~= nil then
             cursor_of[slot].closed = true
           end
-          break
+          -- A waiter of weight 1 everywhere refuses only full slots, which refuse every later
+          -- waiter anyway; a weighted one refuses each slot it does not fit.
+          if weights == nil then
+            break
+          end
         end
       end
       if fits then
-        dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, next_run_id(), now, lease_seconds, true,
-          woken)
+        dispatch_entry(prefix, runs_key, expiry_key, keys, task_id, record, weights, next_run_id(), now,
+          lease_seconds, true, woken)
         for i = RECORD_SLOTS, #record do
-          room[record[i]] = nil
+          took_room(room, record[i], task_id, weights and weights[record[i]] or 1)
         end
       end
     end

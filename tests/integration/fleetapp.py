@@ -278,6 +278,15 @@ def tier_limit(tenant: str, *args: Any, **kwargs: Any) -> int:
     return 3 if tenant.startswith("premium-") else 1
 
 
+#: The weighted cap's limit (test_weights_fleet): units of 5.
+GPU_LIMIT = 5
+
+
+def gpu_units(units: Any, *args: Any, **kwargs: Any) -> Any:
+    """The weighted cap's weight of a call: its first argument, as given (0 fails the task)."""
+    return units
+
+
 def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str, str]) -> None:
     provider_limit = int(setting(env, "CAPS_FLEET_PROVIDER_LIMIT") or 4)
     tenant_limit = int(setting(env, "CAPS_FLEET_TENANT_LIMIT") or 2)
@@ -294,6 +303,8 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     odd = Cap(f"{caps}{ODD_CAP_NAME}", 1, key=odd_key)
     # Limits per key (test_per_key_limits): the limit a function of the arguments gives the key.
     tier = Cap(f"{caps}tier", tier_limit, key=lambda tenant, *_, **__: tenant)
+    # Weights (test_weights_fleet): a call takes as many units of GPU_LIMIT as its first argument.
+    gpu = Cap(f"{caps}gpu", GPU_LIMIT, weight=gpu_units)
 
     def run_body(
         task: Any, counters: Sequence[str], seconds: float, midway: Callable[[], None] | None = None, **extra: Any
@@ -347,6 +358,11 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     def tiered(self: Any, tenant: str, ms: int) -> dict[str, Any]:
         """Holds the provider cap and its tenant's tier cap (tier_limit gives the tenant's limit)."""
         return run_body(self, ["provider", f"tier:{tenant}"], ms / 1000)
+
+    @app.task(name="fleet.weighed", cap=gpu, **task_options)
+    def weighed(self: Any, units: int, ms: int) -> dict[str, Any]:
+        """Holds ``units`` units of the gpu cap for ``ms`` milliseconds."""
+        return run_body(self, ["gpu"], ms / 1000)
 
     @app.task(name="fleet.hold", cap=one, **task_options)
     def hold(self: Any, scope: str, *seconds_by_run: float, **kwargs: Any) -> dict[str, Any]:
