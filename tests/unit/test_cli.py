@@ -186,6 +186,7 @@ def test_status_lists_every_cap_and_slot_with_limits_holders_expired_and_keys(
         "keyed": True,
         "keys": 2,
         "holders": 1,
+        "units": 1,
         "expired": 1,
         "waiters": 0,
         "tasks": [f"{prefix}import_file"],
@@ -199,6 +200,7 @@ def test_status_lists_every_cap_and_slot_with_limits_holders_expired_and_keys(
         "limit_source": "code",
         "limit_set_for": None,
         "holders": 1,
+        "units": 1,
         "expired": 0,
         "waiters": 0,
         "oldest_waiter_seconds": None,
@@ -1019,3 +1021,38 @@ def test_check_through_pgbouncer_with_prepared_statements_on_names_the_problem()
     assert "set prepare_threshold=none" in " ".join(result.output.split())
     # And without it (the default through a pooler: off) the check passes
     assert run(bare_app(pooled.render_as_string(False)), "check").exit_code == 0
+
+
+def test_status_holders_and_explain_count_the_units_of_weighted_tasks(
+    app: Celery, store: SlotStore, prefix: str
+) -> None:
+    # Given: the e-mail cap (limit 3) held by a task of weight 2 and one of weight 1
+    email = f"{prefix}email"
+    for task_id, weight in ((f"{prefix}bulk", 2), (f"{prefix}single", 1)):
+        admission = store.acquire(
+            {email: 3}, task_id, uuid.uuid4().hex, "w1@host-a/1", LONG, task_name=f"{prefix}send_email",
+            weights={email: weight} if weight > 1 else None,
+        )  # fmt: skip
+        assert admission.granted
+    # Then: status counts 3 units of 3 (full) held by 2 tasks, in the table and in JSON
+    report = json.loads(run(app, "status", "--json").output)
+    slot = next(line for line in report["slots"] if line["slot"] == email)
+    assert (slot["holders"], slot["units"]) == (2, 3)
+    cap = next(line for line in report["caps"] if line["cap"] == email)
+    assert (cap["holders"], cap["units"]) == (2, 3)
+    table = run(app, "status", "--cap", email).output
+    assert "2 (3 units)" in table and "(full)" in table
+    # ... holders gives each lease's weight
+    leases = json.loads(run(app, "holders", email, "--json").output)
+    assert sorted((lease["task_id"], lease["weight"]) for lease in leases) == [
+        (f"{prefix}bulk", 2),
+        (f"{prefix}single", 1),
+    ]
+    assert "weight" in run(app, "holders", email).output
+    # ... and explain says a task put back for the cap finds it full, by units
+    late = f"{prefix}late"
+    event = HistoryEvent("deferred", time.time(), late, f"{prefix}send_email", (email,), (email,), "w2@b/1", None, 0)
+    store.record_history([event], keep_seconds=600, max_events=100_000)
+    explained = json.loads(run(app, "explain", late, "--json").output)
+    assert [(s["slot"], s["holders"], s["units"], s["full"]) for s in explained["slots"]] == [(email, 2, 3, True)]
+    assert f"{email}: 3/3 units held by 2 task(s)" in run(app, "explain", late).output
