@@ -87,7 +87,7 @@ class Dialect:
         return value.encode("utf-8") if self.name == "mysql" else value
 
 
-_LEASE_COLUMNS = "(run_id, slot, task_id, holder, expires_at, task_name, acquired_at)"
+_LEASE_COLUMNS = "(run_id, slot, task_id, holder, expires_at, task_name, acquired_at, weight)"
 
 POSTGRESQL = Dialect(
     name="postgresql",
@@ -102,7 +102,7 @@ POSTGRESQL = Dialect(
     insert_leases=(
         f"INSERT INTO concurrency_slots {_LEASE_COLUMNS} VALUES {{values}} ON CONFLICT (run_id, slot) DO UPDATE "
         "SET task_id = EXCLUDED.task_id, holder = EXCLUDED.holder, expires_at = EXCLUDED.expires_at, "
-        "task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at"
+        "task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at, weight = EXCLUDED.weight"
     ),
     for_update=" FOR UPDATE",
     for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
@@ -124,7 +124,7 @@ MYSQL = Dialect(
     insert_leases=(
         f"INSERT INTO concurrency_slots {_LEASE_COLUMNS} VALUES {{values}} ON DUPLICATE KEY UPDATE "
         "task_id = VALUES(task_id), holder = VALUES(holder), expires_at = VALUES(expires_at), "
-        "task_name = VALUES(task_name), acquired_at = VALUES(acquired_at)"
+        "task_name = VALUES(task_name), acquired_at = VALUES(acquired_at), weight = VALUES(weight)"
     ),
     for_update=" FOR UPDATE",
     for_update_skip_locked=" FOR UPDATE SKIP LOCKED",
@@ -145,7 +145,7 @@ SQLITE = Dialect(
     insert_leases=(
         f"INSERT INTO concurrency_slots {_LEASE_COLUMNS} VALUES {{values}} ON CONFLICT (run_id, slot) DO UPDATE "
         "SET task_id = excluded.task_id, holder = excluded.holder, expires_at = excluded.expires_at, "
-        "task_name = excluded.task_name, acquired_at = excluded.acquired_at"
+        "task_name = excluded.task_name, acquired_at = excluded.acquired_at, weight = excluded.weight"
     ),
     for_update="",
     for_update_skip_locked="",

@@ -26,11 +26,19 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from ...caps import operator_limit
 from ...errors import StoreError
 from ..base import Admission, HistoryEvent, Lease, SlotStatus, SlotStore, mask_url, secret_parameter
 from .dialects import READ_COMMITTED, READ_ONLY_OPTION, create_engine, dialect_of, read_committed_engine
-from .schema import HISTORY_TABLE_NAME, MAX_TASK_NAME_LENGTH, concurrency_slots_history, metadata
-from .statements import Statements, admission_params
+from .schema import (
+    HISTORY_TABLE_NAME,
+    MAX_TASK_NAME_LENGTH,
+    TABLE_NAME,
+    WAITERS_TABLE_NAME,
+    concurrency_slots_history,
+    metadata,
+)
+from .statements import ADD_COLUMN, Statements, admission_params
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +49,13 @@ BATCH = 500
 #: Expired rows the sweep deletes per transaction.
 SWEEP_BATCH = 1000
 _SCHEMA_ATTEMPTS = 5
-#: A column added to a table after its first release: a store created before gets it at start.
-_ADDED_COLUMN = "slot_limit"
+#: Columns added to tables after their first release (table, column, its definition as DDL): a
+#: store created before gets them at start, with the indexes that hold them.
+ADDED_COLUMNS = (
+    (HISTORY_TABLE_NAME, "slot_limit", "INTEGER NULL"),
+    (TABLE_NAME, "weight", "INTEGER NOT NULL DEFAULT 1"),
+    (WAITERS_TABLE_NAME, "weight", "INTEGER NOT NULL DEFAULT 1"),
+)
 
 _T = TypeVar("_T")
 
@@ -146,7 +159,8 @@ class SQLLeaseStore(SlotStore):
     # -- plumbing ---------------------------------------------------------------------------
 
     def create_schema(self) -> None:
-        """Create what is missing of the schema (tables and indexes).
+        """Create what is missing of the schema (tables and indexes), and add the columns added
+        since a table was created (:data:`ADDED_COLUMNS`), with their indexes.
 
         Raises:
             StoreError: the store cannot be reached, or refuses to create it.
@@ -154,11 +168,19 @@ class SQLLeaseStore(SlotStore):
         for attempt in range(1, _SCHEMA_ATTEMPTS + 1):
             try:
                 metadata.create_all(self._engine, checkfirst=True)
-                if _ADDED_COLUMN not in self._history_columns():
+                missing = self._missing_columns()
+                if missing:
                     with self._engine.begin() as connection:
-                        connection.exec_driver_sql(
-                            f"ALTER TABLE {HISTORY_TABLE_NAME} ADD COLUMN {_ADDED_COLUMN} INTEGER NULL"
-                        )
+                        for table, column, definition in missing:
+                            connection.exec_driver_sql(
+                                ADD_COLUMN.format(table=table, column=column, definition=definition)
+                            )
+                        # The indexes that came with the columns (an index of a table created
+                        # before is never created by create_all).
+                        for table in sorted({table for table, _column, _definition in missing}):
+                            for index in sorted(metadata.tables[table].indexes, key=lambda index: str(index.name)):
+                                if self._creates(index):
+                                    index.create(connection, checkfirst=True)
                 return
             except sa.exc.SQLAlchemyError as exc:
                 # Several workers may race to create it (SQLite may even answer "database is
@@ -167,7 +189,7 @@ class SQLLeaseStore(SlotStore):
                 try:
                     inspector = sa.inspect(self._engine)
                     if all(inspector.has_table(table.name) for table in metadata.sorted_tables) and (
-                        _ADDED_COLUMN in self._history_columns()
+                        not self._missing_columns()
                     ):
                         return
                 except sa.exc.SQLAlchemyError:
@@ -176,8 +198,18 @@ class SQLLeaseStore(SlotStore):
                     raise self.store_error("creating the schema", exc) from exc
                 time.sleep(0.05 * attempt)
 
-    def _history_columns(self) -> set[str]:
-        return {column["name"] for column in sa.inspect(self._engine).get_columns(HISTORY_TABLE_NAME)}
+    def _missing_columns(self) -> list[tuple[str, str, str]]:
+        """The columns of :data:`ADDED_COLUMNS` that the database's tables lack (one read of the
+        tables' columns where the database allows it)."""
+        tables = sorted({table for table, _column, _definition in ADDED_COLUMNS})
+        found = sa.inspect(self._engine).get_multi_columns(filter_names=tables)
+        present = {(table, column["name"]) for (_schema, table), columns in found.items() for column in columns}
+        return [added for added in ADDED_COLUMNS if (added[0], added[1]) not in present]
+
+    def _creates(self, index: sa.Index) -> bool:
+        """Whether ``index`` is created on this store's database (some are one dialect's only)."""
+        dialects = index.info.get("dialects")
+        return dialects is None or self._engine.dialect.name in dialects
 
     def schema_statements(self) -> list[str]:
         """The DDL of this schema version for this store's database, in order: what
@@ -187,7 +219,8 @@ class SQLLeaseStore(SlotStore):
         for table in metadata.sorted_tables:
             statements.append(str(sa.schema.CreateTable(table).compile(dialect=dialect)).strip())
             for index in sorted(table.indexes, key=lambda index: str(index.name)):
-                statements.append(str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip())
+                if self._creates(index):
+                    statements.append(str(sa.schema.CreateIndex(index).compile(dialect=dialect)).strip())
         return statements
 
     def _prepare(self) -> None:
@@ -255,17 +288,24 @@ class SQLLeaseStore(SlotStore):
         """Lock the slots' sentinels, in slot order, creating missing ones (recording the limits)."""
         self.statements.execute_for_slots(connection, "lock_sentinels", len(slots), params)
 
-    def _full_slots(self, connection: Connection, slots: Mapping[str, int], params: dict[str, Any]) -> list[str]:
-        """Count live holders (in a statement after the locks) against each slot's limit, the
-        operator's if one is set, else ``slots``'s: the full slots, sorted (a slot the task holds
-        already is not full for it)."""
-        return sorted(
-            as_text(slot)
-            for slot, holders, holds_already, operator_limit in self.statements.execute_for_slots(
-                connection, "count_live", len(slots), params
-            )
-            if not holds_already and holders >= (operator_limit or slots[as_text(slot)])
-        )
+    def _full_slots(
+        self, connection: Connection, slots: Mapping[str, int], weights: Mapping[str, int], params: dict[str, Any]
+    ) -> list[str]:
+        """Count the units live holders take (in a statement after the locks) against each slot's
+        limit in force (the operator's if one is set, else ``slots``'s): the slots without room
+        for the task at ``weights``, sorted.  A slot the task holds already has room for it; else
+        a slot has room when the task's weight (at most the limit) fits what is free, and the
+        slot's oldest heavy waiter (see :class:`.ParkingStore`) does not need more than that."""
+        full = []
+        for row in self.statements.execute_for_slots(connection, "count_live", len(slots), params):
+            slot, _holders, units, holds_already, limit, heavy = row
+            slot = as_text(slot)
+            free = limit - int(units)
+            if not holds_already and (
+                min(weights.get(slot, 1), limit) > free or (heavy is not None and min(heavy, limit) > free)
+            ):
+                full.append(slot)
+        return sorted(full)
 
     def _insert_leases(self, connection: Connection, count: int, params: dict[str, Any]) -> None:
         self.statements.execute_for_slots(connection, "insert_leases", count, params)
@@ -278,12 +318,16 @@ class SQLLeaseStore(SlotStore):
         holder: str,
         lease_seconds: float,
         task_name: str | None = None,
+        weights: Mapping[str, int] | None = None,
     ) -> Admission:
-        params = admission_params(slots, task_id, run_id, holder, lease_seconds, _cut(task_name))
+        weights = weights or {}
+        params = admission_params(
+            slots, task_id, run_id, holder, lease_seconds, _cut(task_name), weights, self.deployment
+        )
 
         def admit(connection: Connection) -> Admission:
             self._lock_sentinels(connection, slots, params)
-            full = self._full_slots(connection, slots, params)
+            full = self._full_slots(connection, slots, weights, params)
             if full:
                 return Admission(False, tuple(full))
             self._insert_leases(connection, len(slots), params)
@@ -388,11 +432,32 @@ class SQLLeaseStore(SlotStore):
     # -- operators ----------------------------------------------------------------------------
 
     def status(self) -> list[SlotStatus]:
+        statements = self.statements
+
         def read(connection: Connection) -> list[SlotStatus]:
-            now = self.statements.execute(connection, "now").scalar_one()
+            now = statements.execute(connection, "now").scalar_one()
+            rows = [
+                (as_text(slot), limit, int(holders), int(expired), int(heaviest or 0))
+                for slot, limit, holders, expired, heaviest in statements.execute(connection, "status", {"now": now})
+            ]
+            # The units of the slots a heavy run holds (None elsewhere: one per holder), each task
+            # id at its largest weight, at most the limit in force.
+            heavy = [slot for slot, _limit, _holders, _expired, heaviest in rows if heaviest > 1]
+            units: dict[str, int] = {}
+            if heavy:
+                operator_limits = {
+                    as_text(name): int(limit) for name, limit in statements.execute(connection, "operator_limits")
+                }
+                limits = {slot: operator_limit(slot, operator_limits) or limit for slot, limit, *_ in rows}
+                for start in range(0, len(heavy), BATCH):
+                    batch = {"slots": heavy[start : start + BATCH]}
+                    for slot, _task_id, weight in statements.execute(connection, "live", batch):
+                        slot = as_text(slot)
+                        limit = limits[slot]
+                        units[slot] = units.get(slot, 0) + (int(weight) if limit is None else min(int(weight), limit))
             return [
-                SlotStatus(as_text(slot), limit, int(holders), int(expired))
-                for slot, limit, holders, expired in self.statements.execute(connection, "status", {"now": now})
+                SlotStatus(slot, limit, holders, expired, units.get(slot))
+                for slot, limit, holders, expired, _heaviest in rows
             ]
 
         return self._transaction(read, read_only=True)
@@ -411,8 +476,9 @@ class SQLLeaseStore(SlotStore):
                     float(expires_in),
                     task_name,
                     None if age is None else float(age),
+                    int(weight),
                 )
-                for name, task_id, run_id, holder, expires_in, task_name, age in rows
+                for name, task_id, run_id, holder, expires_in, task_name, age, weight in rows
             ]
 
         return self._transaction(read, read_only=True)

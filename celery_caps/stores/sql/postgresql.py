@@ -483,9 +483,10 @@ class PostgreSQLStore(SQLStore):
         holder: str,
         lease_seconds: float,
         task_name: str | None = None,
+        weights: Mapping[str, int] | None = None,
     ) -> Admission:
         if not self._ready():
-            return super().acquire(slots, task_id, run_id, holder, lease_seconds, task_name)
+            return super().acquire(slots, task_id, run_id, holder, lease_seconds, task_name, weights)
         ordered = sorted(slots)
         rows, _ = self._call(
             "acquire",
@@ -497,6 +498,8 @@ class PostgreSQLStore(SQLStore):
                 "holder": holder,
                 "lease_seconds": lease_seconds,
                 "task_name": _cut(task_name),
+                "weights": [weights.get(slot, 1) if weights else 1 for slot in ordered],
+                "deployment": self.deployment,
             },
         )
         full = rows[0][0]
@@ -520,6 +523,7 @@ class PostgreSQLStore(SQLStore):
                 "first_deferred_at": request.first_deferred_at,
                 "max_waiters": request.max_waiters,
                 "deployment": self.deployment,
+                "weights": [request.weights.get(slot, 1) for slot in ordered],
             },
         )
         return ParkOutcome(rows[0][0])

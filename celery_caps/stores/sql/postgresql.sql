@@ -46,52 +46,67 @@ BEGIN
 END $$
 ;
 
--- Admission, second step (after the locks): the full slots of p_slots, sorted; a slot the task
--- holds already is not full for it.
+-- Admission, second step (after the locks): the slots of p_slots without room for the task at
+-- p_weights (its weight in each), sorted.  A slot the task holds already has room for it; else a
+-- slot has room when the task's weight (at most the limit in force) fits the units its live
+-- holders leave free (each task id once, at its largest weight), and the slot's oldest heavy
+-- waiter of p_deployment (weight above 1 there, another task: one probe of the partial index
+-- ix_concurrency_waiters_heavy, empty while nobody is heavy) does not need more than that: it
+-- holds them.  (The units are not capped at the limit: "units + need > limit" comes out the same
+-- either way, since a capped sum below the limit caps nothing.)
 CREATE OR REPLACE FUNCTION concurrency_slots_full(
-    p_slots text[], p_limits integer[], p_task_id text, p_now double precision
+    p_slots text[], p_limits integer[], p_weights integer[], p_task_id text, p_now double precision,
+    p_deployment text
 ) RETURNS text[] LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     RETURN (
         SELECT coalesce(array_agg(u.slot ORDER BY u.slot), '{}')
-        FROM unnest(p_slots, p_limits) AS u(slot, slot_limit)
-        WHERE NOT EXISTS (
-                SELECT 1 FROM concurrency_slots c
-                WHERE c.slot = u.slot AND c.task_id = p_task_id AND c.expires_at > p_now)
-          AND (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
-               WHERE c.slot = u.slot AND c.expires_at > p_now) >= coalesce(
-                   (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = u.slot),
-                   (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = split_part(u.slot, ':', 1)),
-                   u.slot_limit));
+        FROM unnest(p_slots, p_limits, p_weights) AS u(slot, slot_limit, weight)
+        CROSS JOIN LATERAL (SELECT coalesce(
+            (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = u.slot),
+            (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = split_part(u.slot, ':', 1)),
+            u.slot_limit) AS lim) m
+        CROSS JOIN LATERAL (
+            SELECT coalesce(sum(t.w), 0) AS units, coalesce(bool_or(t.mine), false) AS mine
+            FROM (SELECT max(c.weight) AS w, bool_or(c.task_id = p_task_id) AS mine FROM concurrency_slots c
+                  WHERE c.slot = u.slot AND c.expires_at > p_now GROUP BY c.task_id) t) h
+        WHERE NOT h.mine AND (least(u.weight, m.lim) > m.lim - h.units
+            OR (SELECT least(x.weight, m.lim) FROM concurrency_waiters x
+                WHERE x.slot = u.slot AND x.deployment = p_deployment AND x.weight > 1
+                    AND x.dispatch_run_id IS NULL AND x.task_id <> p_task_id
+                ORDER BY x.first_deferred_at, x.parked_at, x.task_id LIMIT 1) > m.lim - h.units));
 END $$
 ;
 
 -- Admission, last step: the run's leases (a run admitted again to a slot whose lease it let
 -- expire, not swept yet, replaces that row).
 CREATE OR REPLACE FUNCTION concurrency_slots_insert_leases(
-    p_slots text[], p_task_id text, p_run_id text, p_holder text, p_lease_seconds double precision,
-    p_task_name text, p_now double precision
+    p_slots text[], p_weights integer[], p_task_id text, p_run_id text, p_holder text,
+    p_lease_seconds double precision, p_task_name text, p_now double precision
 ) RETURNS void LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
-    INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
-    SELECT p_run_id, u.slot, p_task_id, p_holder, p_now + p_lease_seconds, p_task_name, p_now
-    FROM unnest(p_slots) AS u(slot)
+    INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at, weight)
+    SELECT p_run_id, u.slot, p_task_id, p_holder, p_now + p_lease_seconds, p_task_name, p_now, u.weight
+    FROM unnest(p_slots, p_weights) AS u(slot, weight)
     ON CONFLICT (run_id, slot) DO UPDATE SET task_id = EXCLUDED.task_id, holder = EXCLUDED.holder,
-        expires_at = EXCLUDED.expires_at, task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at;
+        expires_at = EXCLUDED.expires_at, task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at,
+        weight = EXCLUDED.weight;
 END $$
 ;
 
--- Admission: the full slots (none: the leases are taken).  The three steps above, written out
+-- Admission: the full slots (none: the leases are taken).  p_weights: the task's weight in each
+-- slot (NULL: 1 in every slot); p_deployment: the deployment whose heavy waiters may hold a slot.  The three steps above, written out
 -- in one body: this is every capped run's first call, and a PL/pgSQL call within a call costs
 -- about a fifth of an acquire on the server (park, which runs once per wait, calls them).
 CREATE OR REPLACE FUNCTION concurrency_slots_acquire(
     p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
-    p_lease_seconds double precision, p_task_name text
+    p_lease_seconds double precision, p_task_name text, p_weights integer[] DEFAULT NULL, p_deployment text DEFAULT ''
 ) RETURNS text[] LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_full text[];
     v_now double precision;
 BEGIN
+    p_weights := coalesce(p_weights, array_fill(1, ARRAY[cardinality(p_slots)]));
     INSERT INTO concurrency_slots (run_id, slot, task_id, holder, slot_limit)
     SELECT '', u.slot, '', '', u.slot_limit
     FROM unnest(p_slots, p_limits) AS u(slot, slot_limit) ORDER BY u.slot
@@ -99,21 +114,27 @@ BEGIN
     WHERE concurrency_slots.slot_limit IS DISTINCT FROM EXCLUDED.slot_limit;
     v_now := CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION);
     SELECT coalesce(array_agg(u.slot ORDER BY u.slot), '{}') INTO v_full
-        FROM unnest(p_slots, p_limits) AS u(slot, slot_limit)
-        WHERE NOT EXISTS (
-                SELECT 1 FROM concurrency_slots c
-                WHERE c.slot = u.slot AND c.task_id = p_task_id AND c.expires_at > v_now)
-          AND (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
-               WHERE c.slot = u.slot AND c.expires_at > v_now) >= coalesce(
-                   (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = u.slot),
-                   (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = split_part(u.slot, ':', 1)),
-                   u.slot_limit);
+        FROM unnest(p_slots, p_limits, p_weights) AS u(slot, slot_limit, weight)
+        CROSS JOIN LATERAL (SELECT coalesce(
+            (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = u.slot),
+            (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = split_part(u.slot, ':', 1)),
+            u.slot_limit) AS lim) m
+        CROSS JOIN LATERAL (
+            SELECT coalesce(sum(t.w), 0) AS units, coalesce(bool_or(t.mine), false) AS mine
+            FROM (SELECT max(c.weight) AS w, bool_or(c.task_id = p_task_id) AS mine FROM concurrency_slots c
+                  WHERE c.slot = u.slot AND c.expires_at > v_now GROUP BY c.task_id) t) h
+        WHERE NOT h.mine AND (least(u.weight, m.lim) > m.lim - h.units
+            OR (SELECT least(x.weight, m.lim) FROM concurrency_waiters x
+                WHERE x.slot = u.slot AND x.deployment = p_deployment AND x.weight > 1
+                    AND x.dispatch_run_id IS NULL AND x.task_id <> p_task_id
+                ORDER BY x.first_deferred_at, x.parked_at, x.task_id LIMIT 1) > m.lim - h.units);
     IF cardinality(v_full) = 0 THEN
-        INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at)
-        SELECT p_run_id, u.slot, p_task_id, p_holder, v_now + p_lease_seconds, p_task_name, v_now
-        FROM unnest(p_slots) AS u(slot)
+        INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at, weight)
+        SELECT p_run_id, u.slot, p_task_id, p_holder, v_now + p_lease_seconds, p_task_name, v_now, u.weight
+        FROM unnest(p_slots, p_weights) AS u(slot, weight)
         ON CONFLICT (run_id, slot) DO UPDATE SET task_id = EXCLUDED.task_id, holder = EXCLUDED.holder,
-            expires_at = EXCLUDED.expires_at, task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at;
+            expires_at = EXCLUDED.expires_at, task_name = EXCLUDED.task_name, acquired_at = EXCLUDED.acquired_at,
+            weight = EXCLUDED.weight;
     END IF;
     RETURN v_full;
 END $$
@@ -138,7 +159,7 @@ END $$
 CREATE OR REPLACE FUNCTION concurrency_slots_park(
     p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
     p_lease_seconds double precision, p_task_name text, p_payload bytea,
-    p_first_deferred_at double precision, p_max_waiters integer, p_deployment text
+    p_first_deferred_at double precision, p_max_waiters integer, p_deployment text, p_weights integer[] DEFAULT NULL
 ) RETURNS text LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
 SET enable_sort = off SET jit = off AS $$
@@ -148,6 +169,7 @@ DECLARE
     v_dispatches integer;
     v_same_name boolean;
 BEGIN
+    p_weights := coalesce(p_weights, array_fill(1, ARRAY[cardinality(p_slots)]));
     PERFORM concurrency_slots_lock_sentinels(p_slots, p_limits);
     -- (Every row of an entry has the same task name.)
     SELECT w.task_name IS NOT DISTINCT FROM p_task_name INTO v_same_name
@@ -156,9 +178,9 @@ BEGIN
         RETURN CASE WHEN v_same_name THEN 'waiting' ELSE 'id_in_use' END;
     END IF;
     v_now := concurrency_slots_now();
-    v_full := concurrency_slots_full(p_slots, p_limits, p_task_id, v_now);
+    v_full := concurrency_slots_full(p_slots, p_limits, p_weights, p_task_id, v_now, p_deployment);
     IF cardinality(v_full) = 0 THEN
-        PERFORM concurrency_slots_insert_leases(p_slots, p_task_id, p_run_id, p_holder, p_lease_seconds,
+        PERFORM concurrency_slots_insert_leases(p_slots, p_weights, p_task_id, p_run_id, p_holder, p_lease_seconds,
             p_task_name, v_now);
         RETURN 'admitted';
     END IF;
@@ -176,10 +198,10 @@ BEGIN
         RETURNING w.dispatches)
     SELECT coalesce(max(gone.dispatches), 0) INTO v_dispatches FROM gone;
     INSERT INTO concurrency_waiters
-        (slot, task_id, slot_count, first_deferred_at, parked_at, task_name, deployment, payload, dispatches)
+        (slot, task_id, slot_count, first_deferred_at, parked_at, task_name, deployment, payload, dispatches, weight)
     SELECT u.slot, p_task_id, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_deployment, p_payload,
-        v_dispatches
-    FROM unnest(p_slots) AS u(slot);
+        v_dispatches, u.weight
+    FROM unnest(p_slots, p_weights) AS u(slot, weight);
     -- The lists' counts last: only parks add to them, under the sentinels' locks.
     INSERT INTO concurrency_waitlists (slot, entries) SELECT u.slot, 1 FROM unnest(p_slots) AS u(slot)
     ON CONFLICT (slot) DO UPDATE SET entries = concurrency_waitlists.entries + 1;
@@ -196,7 +218,11 @@ END $$
 -- p_released and whose every slot is locked and has room (and still waits: a readmit or a forget
 -- may have taken it since the walk began); stop once every slot seen is full.  Room is counted
 -- against each slot's limit as its sentinel holds it now (read as the sentinels are locked), never
--- a limit a waiter was parked under; a slot without a limit counts as full.  Other deployments'
+-- a limit a waiter was parked under; a slot without a limit counts as full.  A waiter has room in a
+-- slot when the units its live holders take (each task id once, at its largest weight) leave its
+-- weight there (at most the limit) free; the first waiter that does not fit a slot closes it for
+-- the rest of the walk (v_full), so that a heavy waiter's room goes to nobody behind it (with every
+-- weight 1 a slot a waiter does not fit is full: nothing changes).  Other deployments'
 -- waiters are never read (every index with the deployment has it first or right after the slot):
 -- they keep their place, for their own deployment's releases and recoveries.  One row per woken
 -- waiter.
@@ -230,6 +256,8 @@ DECLARE
     v_task text := NULL;
     v_slots text[];
     v_limits integer[];
+    v_weights integer[];
+    v_heavy boolean;
     v_count integer;
     v_name text;
     v_waiters refcursor;
@@ -240,6 +268,7 @@ DECLARE
     f_limit integer;
     f_count integer;
     f_name text;
+    f_weight integer;
 BEGIN
     SELECT coalesce(array_agg(l.slot), '{}'), coalesce(array_agg(l.slot_limit), '{}')
     INTO v_limit_slots, v_limit_values FROM (
@@ -294,39 +323,43 @@ BEGIN
     -- equality, so the list's index streams it in order, unsorted.)
     IF cardinality(v_locked) = 1 THEN
         OPEN v_waiters FOR
-            SELECT w.task_id, w.slot, w.slot_count, w.task_name FROM concurrency_waiters w
+            SELECT w.task_id, w.slot, w.slot_count, w.task_name, w.weight FROM concurrency_waiters w
             WHERE w.slot = v_locked[1] AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
             ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
     ELSE
         OPEN v_waiters FOR
-            SELECT w.task_id, w.slot, w.slot_count, w.task_name FROM concurrency_waiters w
+            SELECT w.task_id, w.slot, w.slot_count, w.task_name, w.weight FROM concurrency_waiters w
             WHERE w.slot = ANY(v_locked) AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
             ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
     END IF;
     LOOP
-        FETCH v_waiters INTO f_task, f_slot, f_count, f_name;
+        FETCH v_waiters INTO f_task, f_slot, f_count, f_name, f_weight;
         -- The slot's limit (its sentinel's; none: 0, full).
         f_limit := coalesce(v_limit_values[array_position(v_limit_slots, f_slot)], 0);
         IF v_task IS NOT NULL AND f_task IS DISTINCT FROM v_task THEN
             -- Waiter v_task is complete: dispatch it if it waits for a released slot, all its
             -- slots are locked here and each has room (or is held by it already); a waiter
-            -- passed over keeps its place.  v_full: slots found full in this walk (only
-            -- dispatches add leases while their sentinels are locked), so a waiter needing one
-            -- is passed over without a count.
-            IF cardinality(v_slots) = v_count AND v_slots && v_released AND NOT (v_slots && v_full) THEN
-                -- Full now (for this waiter: a slot it holds already has room for it), and full
-                -- once it takes a place (so that no count is needed after the dispatch).
-                SELECT coalesce(array_agg(u.slot) FILTER (WHERE NOT u.held AND u.holders >= u.slot_limit), '{}'),
+            -- passed over keeps its place.  v_full: slots found full, or closed, in this walk
+            -- (only dispatches add leases while their sentinels are locked), so a waiter needing
+            -- one is passed over without a count; unless it is heavy: the other slots it does not
+            -- fit close too.
+            IF cardinality(v_slots) = v_count AND v_slots && v_released AND (NOT (v_slots && v_full) OR v_heavy) THEN
+                -- Without room now (for this waiter: a slot it holds already has room for it), and
+                -- full once it takes its place (so that no count is needed after the dispatch).
+                SELECT coalesce(array_agg(u.slot) FILTER (
+                           WHERE NOT u.held AND least(u.weight, u.slot_limit) > u.slot_limit - u.units), '{}'),
                        coalesce(array_agg(u.slot) FILTER (
-                           WHERE u.holders + (CASE WHEN u.held THEN 0 ELSE 1 END) >= u.slot_limit), '{}')
+                           WHERE u.units + (CASE WHEN u.held THEN 0 ELSE least(u.weight, u.slot_limit) END)
+                               >= u.slot_limit), '{}')
                 INTO v_found_full, v_full_after
                 FROM (
-                    SELECT s.slot, s.slot_limit,
-                        EXISTS (SELECT 1 FROM concurrency_slots c
-                                WHERE c.slot = s.slot AND c.task_id = v_task AND c.expires_at > v_now) AS held,
-                        (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
-                         WHERE c.slot = s.slot AND c.expires_at > v_now) AS holders
-                    FROM unnest(v_slots, v_limits) AS s(slot, slot_limit)) u;
+                    SELECT s.slot, s.slot_limit, s.weight, coalesce(h.held, false) AS held,
+                        coalesce(h.units, 0) AS units
+                    FROM unnest(v_slots, v_limits, v_weights) AS s(slot, slot_limit, weight)
+                    CROSS JOIN LATERAL (
+                        SELECT bool_or(t.mine) AS held, sum(least(t.w, s.slot_limit)) AS units
+                        FROM (SELECT max(c.weight) AS w, bool_or(c.task_id = v_task) AS mine FROM concurrency_slots c
+                              WHERE c.slot = s.slot AND c.expires_at > v_now GROUP BY c.task_id) t) h) u;
                 v_full := v_full || v_found_full;
             END IF;
             IF cardinality(v_slots) = v_count AND v_slots && v_released AND NOT (v_slots && v_full) THEN
@@ -338,7 +371,7 @@ BEGIN
                 IF FOUND THEN
                     o_task_id := v_task;
                     o_task_name := v_name;
-                    PERFORM concurrency_slots_insert_leases(v_slots, v_task, o_run_id, 'caps-dispatch',
+                    PERFORM concurrency_slots_insert_leases(v_slots, v_weights, v_task, o_run_id, 'caps-dispatch',
                         p_dispatch_lease_seconds, v_name, v_now);
                     SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = v_task LIMIT 1;
                     RETURN NEXT;
@@ -350,12 +383,15 @@ BEGIN
             -- handed out (other slots gain room only by their own releases, or by expiry,
             -- which recovery serves).
             EXIT WHEN v_released <@ v_full;
-            -- Every c_batch rows, stop once every slot seen so far is full.
+            -- Every c_batch rows, stop once every slot seen so far is full or closed.  (Units not
+            -- capped at the limit: "units >= limit" comes out the same either way.)
             IF v_read >= v_check_at THEN
                 EXIT WHEN NOT EXISTS (
                     SELECT 1 FROM unnest(v_seen_slots, v_seen_limits) AS u(slot, slot_limit)
-                    WHERE (SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
-                           WHERE c.slot = u.slot AND c.expires_at > v_now) < u.slot_limit);
+                    WHERE NOT (u.slot = ANY(v_full)) AND (
+                        SELECT coalesce(sum(t.w), 0) FROM (
+                            SELECT max(c.weight) AS w FROM concurrency_slots c
+                            WHERE c.slot = u.slot AND c.expires_at > v_now GROUP BY c.task_id) t) < u.slot_limit);
                 v_check_at := v_read + c_batch;
             END IF;
         END IF;
@@ -365,11 +401,15 @@ BEGIN
             v_task := f_task;
             v_slots := '{}';
             v_limits := '{}';
+            v_weights := '{}';
+            v_heavy := false;
             v_count := f_count;
             v_name := f_name;
         END IF;
         v_slots := v_slots || f_slot;
         v_limits := v_limits || f_limit;
+        v_weights := v_weights || f_weight;
+        v_heavy := v_heavy OR f_weight > 1;
         IF NOT (f_slot = ANY(v_seen_slots)) THEN
             v_seen_slots := v_seen_slots || f_slot;
             v_seen_limits := v_seen_limits || f_limit;
@@ -483,16 +523,18 @@ BEGIN
         count(*) FILTER (WHERE c.expires_at > v_now AND c.holder IN ('caps-dispatch', p_holder))
     INTO v_leases, v_live, v_live_dispatch, v_live_claimable
     FROM concurrency_slots c WHERE c.run_id = p_run_id AND c.task_id = p_task_id;
-    -- (Not a dispatch in a slot holding more live task ids than its limit now, itself one of
-    -- them: a limit cut since the dispatch.  Its leases go as below, and its copy goes through
-    -- admission.)
+    -- (Not a dispatch in a slot whose live holders take more units than its limit now, itself one
+    -- of them: a limit cut since the dispatch.  Each task id counts once, at its largest weight,
+    -- at most the limit.  Its leases go as below, and its copy goes through admission.)
     IF v_live > 0 AND v_live = v_leases AND v_live_claimable = v_live AND NOT (
         v_live_dispatch = v_live AND EXISTS (
             SELECT 1 FROM concurrency_slots l JOIN concurrency_slots s ON s.run_id = '' AND s.slot = l.slot
+            CROSS JOIN LATERAL (SELECT concurrency_slots_limit(l.slot, s.slot_limit) AS lim) m
             WHERE l.run_id = p_run_id AND l.task_id = p_task_id
-              AND concurrency_slots_limit(l.slot, s.slot_limit) < (
-                  SELECT count(DISTINCT c.task_id) FROM concurrency_slots c
-                  WHERE c.slot = l.slot AND c.expires_at > v_now))) THEN
+              AND m.lim < (
+                  SELECT sum(least(t.w, m.lim)) FROM (
+                      SELECT max(c.weight) AS w FROM concurrency_slots c
+                      WHERE c.slot = l.slot AND c.expires_at > v_now GROUP BY c.task_id) t))) THEN
         UPDATE concurrency_slots c SET holder = p_holder, expires_at = v_now + p_lease_seconds
         WHERE c.run_id = p_run_id AND c.task_id = p_task_id;
         PERFORM concurrency_waiters_settle(p_task_id, p_run_id, p_holder, v_now + p_done_seconds, 2);

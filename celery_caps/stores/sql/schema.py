@@ -5,11 +5,12 @@
   hand-over to a waiter count against), never deleted by the sweep, which admission
   locks before it counts, so two contenders for the last slot always serialise on it; and a
   **lease** row per held slot and run (``run_id``, ``task_id``, ``holder``, ``expires_at`` in
-  seconds since the epoch by the **database's clock**, and for operators ``task_name`` and
-  ``acquired_at``).
+  seconds since the epoch by the **database's clock**, ``weight``: the units of the slot's limit
+  the run takes, and for operators ``task_name`` and ``acquired_at``).
 * ``concurrency_waiters``: the waiting list of the park strategy, one row per parked task and
-  slot it needs (its task name, payload, first-deferral time, the deployment that parked it, how
-  many times it was dispatched, and while dispatched the run id and deadline of its dispatch; a
+  slot it needs (its task name, payload, first-deferral time, the deployment that parked it, its
+  weight in that slot, how many times it was dispatched, and while dispatched the run id and
+  deadline of its dispatch; a
   tombstone has ``done_until`` set, keeps its dispatch's run id and, if a claim made it, the
   claiming holder).  It holds no limit: a waiter is dispatched against its slots' sentinels, as
   they are at that moment.  Only its own deployment dispatches it: every walk, recovery and
@@ -51,6 +52,13 @@ MAX_DEPLOYMENT_LENGTH = 64
 
 TABLE_NAME = "concurrency_slots"
 
+#: The databases with partial indexes (MySQL/MariaDB has none: it gets full ones instead).
+PARTIAL_INDEX_DIALECTS = ("postgresql", "sqlite")
+FULL_INDEX_DIALECTS = ("mysql", "mariadb")
+#: The rows of ix_concurrency_waiters_heavy: waiting entries (a tombstone keeps its dispatch's run
+#: id) of weight above 1.  A query that probes it states both conditions, as written here.
+HEAVY_WAITING = "weight > 1 AND dispatch_run_id IS NULL"
+
 
 def _exact_text(length: int) -> sa.types.TypeEngine[Any]:
     # MySQL's default collations fold case and ignore trailing spaces, which would
@@ -72,9 +80,12 @@ concurrency_slots = sa.Table(
     sa.Column("slot_limit", sa.Integer(), nullable=True, comment="last limit admitted with; sentinels only"),
     sa.Column("task_name", sa.String(MAX_TASK_NAME_LENGTH), nullable=True, comment="for operators; leases only"),
     sa.Column("acquired_at", sa.Double(), nullable=True, comment="store-clock epoch seconds the lease was taken"),
-    # Admission counts live leases of a few slot names: this index makes that cost
-    # independent of how many slot names exist.
-    sa.Index("ix_concurrency_slots_slot_expiry", "slot", "expires_at", "task_id"),
+    sa.Column(
+        "weight", sa.Integer(), nullable=False, server_default="1", comment="units of the slot's limit the run takes"
+    ),
+    # Admission counts live leases (and their weights) of a few slot names: this index makes that
+    # cost independent of how many slot names exist, and holds all it reads.
+    sa.Index("ix_concurrency_slots_slot_expiry", "slot", "expires_at", "task_id", "weight"),
     sa.Index("ix_concurrency_slots_task_id", "task_id"),
     # The sweep deletes what expired: it reads this index from its start to ``now``, never the
     # live leases nor the sentinels (whose expiry is NULL).
@@ -130,6 +141,9 @@ concurrency_waiters = sa.Table(
     sa.Column("dispatches", sa.Integer(), nullable=False, server_default="0", comment="dispatches so far"),
     sa.Column("done_until", sa.Double(), nullable=True, comment="a tombstone until then (store-clock epoch seconds)"),
     sa.Column("claimed_by", sa.String(255), nullable=True, comment="a claim's tombstone: the holder that claimed"),
+    sa.Column(
+        "weight", sa.Integer(), nullable=False, server_default="1", comment="units of this slot's limit the task needs"
+    ),
     sa.Index("ix_concurrency_waiters_task_id", "task_id"),
     # Every index holding ``deployment`` has it first or right after the slot: whichever of them a
     # plan takes (a PL/pgSQL function's generic plan included), a look for one deployment's
@@ -147,6 +161,28 @@ concurrency_waiters = sa.Table(
         postgresql_where=sa.text("slot_count > 1"),
         sqlite_where=sa.text("slot_count > 1"),
     ),
+    # The oldest heavy waiting entry of a slot (weight above 1 there), which may hold the slot's free
+    # units against newcomers: one probe per slot an admission counts, into an index that holds
+    # only heavy waiting entries (empty while nobody is heavy), in the list's order.  MySQL has
+    # no partial index: there, the slot's heavy entries, through ix_concurrency_waiters_weight.
+    sa.Index(
+        "ix_concurrency_waiters_heavy",
+        "slot",
+        "deployment",
+        "first_deferred_at",
+        "parked_at",
+        "task_id",
+        postgresql_where=sa.text(HEAVY_WAITING),
+        sqlite_where=sa.text(HEAVY_WAITING),
+        info={"dialects": PARTIAL_INDEX_DIALECTS},
+    ).ddl_if(dialect=PARTIAL_INDEX_DIALECTS),  # type: ignore[arg-type]  # (a tuple, as documented)
+    sa.Index(
+        "ix_concurrency_waiters_weight",
+        "slot",
+        "deployment",
+        "weight",
+        info={"dialects": FULL_INDEX_DIALECTS},
+    ).ddl_if(dialect=FULL_INDEX_DIALECTS),  # type: ignore[arg-type]
     # Recovery's, of one deployment: the oldest waiter (whether any is past the maximum wait),
     # and the entries of the tasks a worker knows by name (whatever their slots are called).
     sa.Index("ix_concurrency_waiters_first_deferred", "deployment", "first_deferred_at"),

@@ -4,6 +4,7 @@
 ``{skip_locked}`` its row locks, ``{slot_starts_with}`` the condition that ``slot`` starts with a
 prefix, exactly and case included (its ``:pattern`` is :meth:`Statements.prefix_pattern`),
 ``{limit_s}`` the limit of the sentinel ``s``: the operator's (:func:`operator_limit`), else its own,
+``{limit_of_t}`` the same of the slot ``t.slot`` (its sentinel read in a subquery),
 ``{several_index}`` the hint that names ix_concurrency_waiters_several where a planner needs it,
 ``{on_name_taken}`` an INSERT's clause that updates the row whose ``name`` is taken;
 ``:slots``, ``:task_ids``, ``:run_ids`` and ``:task_names`` are lists (expanding binds).
@@ -38,16 +39,31 @@ if TYPE_CHECKING:
 
 # -- admission (one statement per number of slots) -------------------------------------------
 
-#: Count live holders, in a statement after the sentinel locks (its snapshot postdates them):
-#: per slot, the holders and whether the task is one of them.
-# Per slot of :s0.. with live leases: its live holders, whether :task_id is one, and the limit an
-# operator set for it or its cap (NULL: the code's holds).  Run after the sentinel locks.
+#: The oldest heavy waiting entry of :deployment of the slot ``{slot}`` other than :task_id: its
+#: weight there (NULL: none).  One probe of ix_concurrency_waiters_heavy (its conditions as
+#: written in the index, :data:`.HEAVY_WAITING`), which holds only heavy waiting entries.
+HEAVY_WAITER = (
+    "(SELECT h.weight FROM concurrency_waiters h WHERE h.slot = {slot} AND h.deployment = :deployment "
+    "AND h.weight > 1 AND h.dispatch_run_id IS NULL AND h.task_id <> :task_id "
+    "ORDER BY h.first_deferred_at, h.parked_at, h.task_id LIMIT 1)"
+)
+#: Count live holders, in a statement after the sentinel locks (its snapshot postdates them): per
+#: slot of :s0.. with live leases, its live holders, the units they take (each task id once, at
+#: its largest weight), whether :task_id is one, the limit in force (the operator's, else the
+#: sentinel's, which the locks just set to the task's), and the weight of the slot's oldest heavy
+#: waiter.  (The units are not capped at the limit here: "units + need > limit" and "units >=
+#: limit" come out the same capped or not, since a capped sum below the limit caps nothing.)
+# (The sentinel in a scalar subquery, not a join: SQLite would read every sentinel to join them.)
 COUNT_LIVE = (
-    "SELECT c.slot, COUNT(DISTINCT c.task_id), MAX(CASE WHEN c.task_id = :task_id THEN 1 ELSE 0 END), "
-    "{operator_limit_c} FROM concurrency_slots c WHERE c.slot IN ({slots}) AND c.expires_at > {now} GROUP BY c.slot"
+    "SELECT t.slot, COUNT(*), SUM(t.w), MAX(t.mine), {limit_of_t}, " + HEAVY_WAITER.format(slot="t.slot") + " "
+    "FROM (SELECT c.slot, MAX(c.weight) AS w, MAX(CASE WHEN c.task_id = :task_id THEN 1 ELSE 0 END) AS mine "
+    "FROM concurrency_slots c WHERE c.slot IN ({slots}) AND c.expires_at > {now} GROUP BY c.slot, c.task_id) t "
+    "GROUP BY t.slot"
 )
 SENTINEL_ROW = "('', :s{i}, '', '', :l{i})"
-LEASE_ROW = "(:run_id, :s{i}, :task_id, :holder, {now} + :lease_seconds, :task_name, {now})"
+LEASE_ROW = "(:run_id, :s{i}, :task_id, :holder, {now} + :lease_seconds, :task_name, {now}, :w{i})"
+#: A column added to a table created before it (see :data:`.leases.ADDED_COLUMNS`).
+ADD_COLUMN = "ALTER TABLE {table} ADD COLUMN {column} {definition}"
 
 #: Room for a waiter in the slot of a waiting list ``n``, its sentinel ``s`` joined: fewer live
 #: holders than the slot's limit, and a waiting entry of :deployment (a look at the first rows of
@@ -120,17 +136,20 @@ TEMPLATES: dict[str, str] = {
     # Never a count per slot, which a planner may make from the expiry's index, walking every
     # expired (or, on MariaDB, released and not yet purged) lease once per slot; nor a join of
     # two reads, which MariaDB may make a nested loop over both.
+    # (And the largest weight of a live lease: the units are read apart, for the slots where it
+    # is above 1.)
     "status": (
         "SELECT slot, MAX(slot_limit), COUNT(DISTINCT CASE WHEN expires_at > :now THEN task_id END), "
-        "SUM(CASE WHEN expires_at <= :now THEN 1 ELSE 0 END) FROM concurrency_slots GROUP BY slot "
+        "SUM(CASE WHEN expires_at <= :now THEN 1 ELSE 0 END), MAX(CASE WHEN expires_at > :now THEN weight ELSE 0 END) "
+        "FROM concurrency_slots GROUP BY slot "
         "HAVING MAX(CASE WHEN run_id = '' THEN 1 ELSE 0 END) = 1 ORDER BY slot"
     ),
     "leases_all": (
-        "SELECT slot, task_id, run_id, holder, expires_at - {now}, task_name, {now} - acquired_at "
+        "SELECT slot, task_id, run_id, holder, expires_at - {now}, task_name, {now} - acquired_at, weight "
         "FROM concurrency_slots WHERE run_id <> '' ORDER BY slot, expires_at"
     ),
     "leases_of_slot": (
-        "SELECT slot, task_id, run_id, holder, expires_at - {now}, task_name, {now} - acquired_at "
+        "SELECT slot, task_id, run_id, holder, expires_at - {now}, task_name, {now} - acquired_at, weight "
         "FROM concurrency_slots WHERE run_id <> '' AND slot = :slot ORDER BY slot, expires_at"
     ),
     # Prune: lock the candidate sentinels first (admission locks them too, so after this no
@@ -298,13 +317,17 @@ TEMPLATES: dict[str, str] = {
     # ordered at :first/:parked/:task_id on).  Every row of one waiter has the same order key, so
     # a waiter's rows are adjacent.
     "waiting_rows": (
-        "SELECT task_id, slot, slot_count, first_deferred_at, parked_at, task_name "
+        "SELECT task_id, slot, slot_count, first_deferred_at, parked_at, task_name, weight "
         "FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment AND dispatch_run_id IS NULL AND ("
         "first_deferred_at > :first OR (first_deferred_at = :first AND "
         "(parked_at > :parked OR (parked_at = :parked AND task_id >= :task_id)))) "
         "ORDER BY first_deferred_at, parked_at, task_id LIMIT :batch"
     ),
-    "live": "SELECT DISTINCT slot, task_id FROM concurrency_slots WHERE slot IN :slots AND expires_at > {now}",
+    # The live holders of :slots, each with its largest weight there.
+    "live": (
+        "SELECT slot, task_id, MAX(weight) FROM concurrency_slots WHERE slot IN :slots AND expires_at > {now} "
+        "GROUP BY slot, task_id"
+    ),
     # A dispatch (with or without leases), only of an entry that still waits.
     "mark_dispatched": (
         "UPDATE concurrency_waiters SET dispatch_run_id = :run_id, dispatch_expires_at = {now} + :lease_seconds, "
@@ -320,12 +343,17 @@ TEMPLATES: dict[str, str] = {
         "SELECT holder, CASE WHEN expires_at > {now} THEN 1 ELSE 0 END FROM concurrency_slots "
         "WHERE run_id = :run_id AND task_id = :task_id{for_update}"
     ),
-    # A slot of the dispatch :run_id with more live task ids than its limit now (a cut since the
-    # dispatch, which counts as one of them).
+    # A slot of the dispatch :run_id whose live holders take more units than its limit now (a cut
+    # since the dispatch, which is one of them): per live task id t of a slot of the dispatch, its
+    # largest weight there, each counted as at most the limit in force.  Such a capped sum is above
+    # the limit iff there are two holders or more and one of them alone takes the limit, or the
+    # weights add up above it: so the limit is read once per slot, never per holder.  (No subquery
+    # of a derived table names an outer table: MariaDB allows none.)
     "dispatch_over_limit": (
-        "SELECT l.slot FROM concurrency_slots l JOIN concurrency_slots s ON s.run_id = '' AND s.slot = l.slot "
-        "WHERE l.run_id = :run_id AND l.task_id = :task_id AND {limit_s} < (SELECT COUNT(DISTINCT c.task_id) "
-        "FROM concurrency_slots c WHERE c.slot = l.slot AND c.expires_at > {now})"
+        "SELECT t.slot FROM (SELECT c.slot, MAX(c.weight) AS w FROM concurrency_slots l "
+        "JOIN concurrency_slots c ON c.slot = l.slot AND c.expires_at > {now} "
+        "WHERE l.run_id = :run_id AND l.task_id = :task_id GROUP BY c.slot, c.task_id) t "
+        "GROUP BY t.slot HAVING COUNT(*) > 1 AND (MAX(t.w) >= {limit_of_t} OR SUM(t.w) > {limit_of_t})"
     ),
     "claim": (
         "UPDATE concurrency_slots SET holder = :holder, expires_at = {now} + :lease_seconds "
@@ -397,11 +425,11 @@ TEMPLATES: dict[str, str] = {
     ),
     "slots_of_tasks": "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN :task_ids",
     "waiters_all": (
-        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id "
+        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id, weight "
         "FROM concurrency_waiters WHERE done_until IS NULL ORDER BY slot, first_deferred_at, parked_at, task_id"
     ),
     "waiters_of_slot": (
-        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id "
+        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id, weight "
         "FROM concurrency_waiters WHERE done_until IS NULL AND slot = :slot "
         "ORDER BY slot, first_deferred_at, parked_at, task_id"
     ),
@@ -422,6 +450,9 @@ class Statements:
 
     def __init__(self, dialect: Dialect) -> None:
         self.dialect = dialect
+        self._limit_s = f"COALESCE({operator_limit(dialect, 's.slot')}, s.slot_limit)"
+        # The limit in force of the slot ``t.slot``, its sentinel read by its key.
+        self._limit_of_t = f"(SELECT {self._limit_s} FROM concurrency_slots s WHERE s.run_id = '' AND s.slot = t.slot)"
         self._compiled = {name: self._compile(template) for name, template in TEMPLATES.items()}
         self._by_count: dict[tuple[str, int], _Prepared] = {}
 
@@ -432,7 +463,8 @@ class Statements:
                 now=dialect.now,
                 for_update=dialect.for_update,
                 skip_locked=dialect.for_update_skip_locked,
-                limit_s=f"COALESCE({operator_limit(dialect, 's.slot')}, s.slot_limit)",
+                limit_s=self._limit_s,
+                limit_of_t=self._limit_of_t,
                 slot_starts_with=_SLOT_STARTS_WITH.get(dialect.name, _SLOT_LIKE),
                 several_index=_SEVERAL_INDEX.get(dialect.name, ""),
                 on_name_taken=_ON_NAME_TAKEN.get(dialect.name, _ON_CONFLICT_NAME),
@@ -479,9 +511,7 @@ class Statements:
             values = ", ".join(row.format(i=i, now=dialect.now) for i in range(count))
             slots = ", ".join(f":s{i}" for i in range(count))
             prepared = self._prepare(
-                template.format(
-                    values=values, slots=slots, now=dialect.now, operator_limit_c=operator_limit(dialect, "c.slot")
-                )
+                template.format(values=values, slots=slots, now=dialect.now, limit_of_t=self._limit_of_t)
             )
             self._by_count[(kind, count)] = prepared
         return _run(connection, prepared, params)
@@ -506,20 +536,30 @@ def _run(
 
 
 def admission_params(
-    slots: Mapping[str, int], task_id: str, run_id: str, holder: str, lease_seconds: float, task_name: str | None
+    slots: Mapping[str, int],
+    task_id: str,
+    run_id: str,
+    holder: str,
+    lease_seconds: float,
+    task_name: str | None,
+    weights: Mapping[str, int] | None = None,
+    deployment: str = "",
 ) -> dict[str, Any]:
     """Bind parameters of the admission statements: slot ``i`` in sorted order is ``:s{i}``, its
-    limit ``:l{i}``."""
+    limit ``:l{i}``, the task's weight there ``:w{i}`` (1 unless ``weights`` names it);
+    ``:deployment`` the one whose waiters may hold a slot (see :data:`COUNT_LIVE`)."""
     params: dict[str, Any] = {
         "task_id": task_id,
         "run_id": run_id,
         "holder": holder,
         "lease_seconds": lease_seconds,
         "task_name": task_name,
+        "deployment": deployment,
     }
     for i, slot in enumerate(sorted(slots)):
         params[f"s{i}"] = slot
         params[f"l{i}"] = slots[slot]
+        params[f"w{i}"] = weights.get(slot, 1) if weights else 1
     return params
 
 
@@ -549,11 +589,12 @@ def _glob_prefix(prefix: str) -> str:
 POSTGRESQL_CALLS = {
     "acquire": (
         "SELECT concurrency_slots_acquire(%(slots)s, %(limits)s, %(task_id)s, %(run_id)s, %(holder)s, "
-        "%(lease_seconds)s, %(task_name)s)"
+        "%(lease_seconds)s, %(task_name)s, %(weights)s, %(deployment)s)"
     ),
     "park": (
         "SELECT concurrency_slots_park(%(slots)s, %(limits)s, %(task_id)s, %(run_id)s, %(holder)s, "
-        "%(lease_seconds)s, %(task_name)s, %(payload)s, %(first_deferred_at)s, %(max_waiters)s, %(deployment)s)"
+        "%(lease_seconds)s, %(task_name)s, %(payload)s, %(first_deferred_at)s, %(max_waiters)s, %(deployment)s, "
+        "%(weights)s)"
     ),
     "release": "DELETE FROM concurrency_slots WHERE run_id = %(run_id)s",
     "release_and_wake": (

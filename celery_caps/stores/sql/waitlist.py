@@ -64,8 +64,16 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         slots = request.slots
         ordered = sorted(slots)
         task_name = _cut(request.task_name)
+        weights = request.weights
         params = admission_params(
-            slots, request.task_id, request.run_id, request.holder, request.lease_seconds, task_name
+            slots,
+            request.task_id,
+            request.run_id,
+            request.holder,
+            request.lease_seconds,
+            task_name,
+            weights,
+            self.deployment,
         )
         statements = self.statements
 
@@ -79,7 +87,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 # now: a deploy may have renamed its cap or changed its key), or its id reused by
                 # another task.
                 return ParkOutcome.WAITING if entry[0] == task_name else ParkOutcome.ID_IN_USE
-            if not self._full_slots(connection, slots, params):
+            if not self._full_slots(connection, slots, weights, params):
                 self._insert_leases(connection, len(ordered), params)
                 return ParkOutcome.ADMITTED
             if request.payload is None:
@@ -104,6 +112,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                     "deployment": self.dialect.exact(self.deployment),
                     "payload": request.payload,
                     "dispatches": dispatches,
+                    "weight": weights.get(slot, 1),
                 }
                 for slot in ordered
             ]
@@ -130,17 +139,25 @@ class SQLStore(SQLLeaseStore, ParkingStore):
 
         Room is counted against the slots' limits as their sentinels hold them now (read once:
         they are locked), never the limits the waiters were parked under; a slot without a limit
-        counts as full.  Waiters are read in their order a batch at a time, and reading stops
-        once every slot seen is full: a release with a long waiting list reads a few rows, not
-        all.  A waiter passed over (a slot of it full, or not locked here) keeps its place.
+        counts as full.  A waiter fits a slot it holds already, or whose free units take its weight
+        there (at most the limit); the first waiter that does not fit a slot closes that slot for
+        the rest of the walk (a heavy waiter's room is not handed to those behind it; with every
+        weight 1, a slot it does not fit is full anyway).  Waiters are read in their order a batch
+        at a time, and reading stops once every slot seen is full or closed: a release with a long
+        waiting list reads a few rows, not all.  A waiter passed over (a slot of it closed, or not
+        locked here) keeps its place.
         """
         statements = self.statements
-        live: dict[str, set[str]] = defaultdict(set)
-        for slot, task_id in statements.execute(connection, "live", {"slots": locked}):
-            live[as_text(slot)].add(as_text(task_id))
         limits: dict[str, int] = defaultdict(int)
         for slot, limit in statements.execute(connection, "slot_limits", {"slots": locked}):
             limits[as_text(slot)] = int(limit or 0)
+        live: dict[str, set[str]] = defaultdict(set)
+        units: dict[str, int] = defaultdict(int)
+        for slot, task_id, weight in statements.execute(connection, "live", {"slots": locked}):
+            slot = as_text(slot)
+            live[slot].add(as_text(task_id))
+            units[slot] += min(int(weight), limits[slot])
+        closed: set[str] = set()
         seen: set[str] = set()
         chosen: list[tuple[str, str]] = []
         after: dict[str, Any] = {"first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
@@ -149,11 +166,11 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 connection, "waiting_rows", {"slots": locked, "batch": WAITING_BATCH, **after, **self._own}
             ).all()
             waiting: dict[str, dict[str, Any]] = {}
-            for task_id, slot, count, first, parked, task_name in rows:
+            for task_id, slot, count, first, parked, task_name, weight in rows:
                 waiter = waiting.setdefault(
                     as_text(task_id), {"slots": {}, "count": count, "order": (first, parked), "task_name": task_name}
                 )
-                waiter["slots"][as_text(slot)] = limits[as_text(slot)]
+                waiter["slots"][as_text(slot)] = int(weight)
                 seen.add(as_text(slot))
             complete = list(waiting.items())
             more = len(rows) == WAITING_BATCH and len(complete) > 1
@@ -162,24 +179,33 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 next_id, next_waiter = complete.pop()
                 after = {"first": next_waiter["order"][0], "parked": next_waiter["order"][1], "task_id": next_id}
             for task_id, waiter in complete:
-                needed: dict[str, int] = waiter["slots"]
+                needed: dict[str, int] = waiter["slots"]  # slot -> the waiter's weight there
                 if touching is not None and touching.isdisjoint(needed):
                     continue  # read for a slot it shares with those, which it does not wait for
                 if len(needed) < waiter["count"]:
                     continue  # one of its slots is not locked here: a later release or recovery
-                if any(task_id not in live[slot] and len(live[slot]) >= limit for slot, limit in needed.items()):
-                    continue  # passed over while one of its own slots is full; never blocks the rest
+                misfits = {
+                    slot
+                    for slot, weight in needed.items()
+                    if task_id not in live[slot]
+                    and (slot in closed or min(weight, limits[slot]) > limits[slot] - units[slot])
+                }
+                if misfits:
+                    closed |= misfits  # passed over; what it needs there goes to nobody behind it
+                    continue
                 run_id = uuid.uuid4().hex
                 params = admission_params(
-                    needed, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds, waiter["task_name"]
+                    needed, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds, waiter["task_name"], needed
                 )
                 if not statements.execute(connection, "mark_dispatched", params).rowcount:
                     continue  # no longer waiting: a readmit or a forget took it since it was read
                 self._insert_leases(connection, len(needed), params)
-                for slot in needed:
-                    live[slot].add(task_id)
+                for slot, weight in needed.items():
+                    if task_id not in live[slot]:
+                        live[slot].add(task_id)
+                        units[slot] += min(weight, limits[slot])
                 chosen.append((task_id, run_id))
-            if not more or all(len(live[slot]) >= limits[slot] for slot in seen):
+            if not more or all(slot in closed or units[slot] >= limits[slot] for slot in seen):
                 break
         return self._woken(connection, chosen, readmit=False)
 
@@ -523,14 +549,23 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         def read(connection: Connection) -> list[Waiter]:
             result = []
             positions: dict[str, int] = defaultdict(int)
-            for name, task_id, task_name, first, age, dispatch_run_id in self.statements.execute(
+            for name, task_id, task_name, first, age, dispatch_run_id, weight in self.statements.execute(
                 connection, statement, params
             ):
                 name = as_text(name)
                 positions[name] += 1
                 dispatched = dispatch_run_id is not None
                 result.append(
-                    Waiter(name, as_text(task_id), task_name, float(first), float(age), positions[name], dispatched)
+                    Waiter(
+                        name,
+                        as_text(task_id),
+                        task_name,
+                        float(first),
+                        float(age),
+                        positions[name],
+                        dispatched,
+                        int(weight),
+                    )
                 )
             return result
 
