@@ -108,7 +108,8 @@ def test_functions_another_version_of_the_package_created_are_created_again(stor
     assert store.status() == [] and store.functions
     with store.engine.begin() as connection:
         connection.exec_driver_sql(
-            "DROP FUNCTION concurrency_slots_acquire(text[], integer[], text, text, text, double precision, text, integer[], text)"
+            "DROP FUNCTION concurrency_slots_acquire("
+            "text[], integer[], text, text, text, double precision, text, integer[], text)"
         )
         connection.exec_driver_sql(
             "CREATE FUNCTION concurrency_slots_acquire(slots text[], limits integer[], task_id text, run_id text, "

@@ -18,7 +18,7 @@ from celery_caps.errors import StoreInputError
 from celery_caps.stores.base import Admission, ClaimOutcome, ParkOutcome, ParkRequest, SlotStore
 from tests.services import own_status
 from tests.unit.test_store_changes import claim_all, live_holders
-from tests.unit.test_stores import DISPATCH_LEASE, HOLDER, LONG_LEASE, admit, parking_store
+from tests.unit.test_stores import DISPATCH_LEASE, HOLDER, LONG_LEASE, parking_store
 
 
 def new_run_id() -> str:
@@ -38,7 +38,9 @@ def admit_weighed(store: SlotStore, slots: Mapping[str, int], weights: Mapping[s
     return run_id
 
 
-def park_weighed(store: SlotStore, slots: Mapping[str, int], weights: Mapping[str, int], task_id: str, first: float) -> ParkOutcome:
+def park_weighed(
+    store: SlotStore, slots: Mapping[str, int], weights: Mapping[str, int], task_id: str, first: float
+) -> ParkOutcome:
     return store.park(ParkRequest(
         slots, task_id, new_run_id(), HOLDER, LONG_LEASE, first_deferred_at=first, max_waiters=100,
         task_name="t.weighed", payload=f"payload of {task_id}".encode(), weights=weights,
@@ -126,9 +128,7 @@ def test_the_oldest_waiter_that_needs_more_room_than_is_free_holds_it(store: Slo
     assert [w.task_id for w in woken] == [f"{prefix}newcomer"]
 
 
-def test_a_waiter_that_fits_is_not_held_back_by_one_that_waits_for_another_slot(
-    store: SlotStore, prefix: str
-) -> None:
+def test_a_waiter_that_fits_is_not_held_back_by_one_that_waits_for_another_slot(store: SlotStore, prefix: str) -> None:
     store = parking_store(store)
     gpu, tenant = f"{prefix}gpu", f"{prefix}tenant:acme"
     holder = admit_weighed(store, {gpu: 4, tenant: 1}, {}, f"{prefix}holder")
