@@ -125,18 +125,7 @@ class Cap:
         """
         if not callable(self.limit):
             return self.limit
-        limit = self._call("limit", self.limit, args, kwargs)
-        if not _positive_int(limit):
-            raise CapKeyError(
-                f"Cap {self.name!r}: limit function {function_name(self.limit)} must return a positive integer, "
-                f"got {type(limit).__name__} {_describe(limit)}"
-            )
-        if limit > MAX_LIMIT:
-            raise CapKeyError(
-                f"Cap {self.name!r}: limit function {function_name(self.limit)} returned {limit}, "
-                f"above {MAX_LIMIT}, {_LARGEST}"
-            )
-        return limit  # type: ignore[no-any-return]
+        return self._positive_int_from("limit", self.limit, args, kwargs, MAX_LIMIT, f"{MAX_LIMIT}, {_LARGEST}")
 
     def weight_for(self, args: Sequence[Any], kwargs: Mapping[str, Any], limit: int) -> int:
         """How many units of its slot's ``limit`` a task called with ``args`` and ``kwargs`` takes.
@@ -146,22 +135,33 @@ class Cap:
                 positive int, or a weight above ``limit``.
         """
         if not callable(self.weight):
-            weight = self.weight
-            if weight > limit:  # a limit function's value below the weight in code
-                raise CapKeyError(f"Cap {self.name!r}: weight {weight} is above the call's limit {limit}")
-            return weight
-        weight = self._call("weight", self.weight, args, kwargs)
-        if not _positive_int(weight):
+            if self.weight > limit:  # a limit function's value below the weight in code
+                raise CapKeyError(f"Cap {self.name!r}: weight {self.weight} is above the call's limit {limit}")
+            return self.weight
+        return self._positive_int_from("weight", self.weight, args, kwargs, limit, f"the call's limit {limit}")
+
+    def _positive_int_from(
+        self,
+        role: str,
+        function: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        highest: int,
+        above: str,
+    ) -> int:
+        """What ``function`` returns for the call, which must be a positive int at most ``highest``
+        (``above`` names that bound); else a :class:`CapKeyError` naming the function and the value."""
+        value = self._call(role, function, args, kwargs)
+        if not _positive_int(value):
             raise CapKeyError(
-                f"Cap {self.name!r}: weight function {function_name(self.weight)} must return a positive integer, "
-                f"got {type(weight).__name__} {_describe(weight)}"
+                f"Cap {self.name!r}: {role} function {function_name(function)} must return a positive integer, "
+                f"got {type(value).__name__} {_describe(value)}"
             )
-        if weight > limit:
+        if value > highest:
             raise CapKeyError(
-                f"Cap {self.name!r}: weight function {function_name(self.weight)} returned {weight}, "
-                f"above the call's limit {limit}"
+                f"Cap {self.name!r}: {role} function {function_name(function)} returned {value}, above {above}"
             )
-        return weight  # type: ignore[no-any-return]
+        return value  # type: ignore[no-any-return]
 
     def _call(self, role: str, function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """``function(*args, **kwargs)``; what it raises becomes a :class:`CapKeyError` naming it."""
