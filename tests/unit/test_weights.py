@@ -184,3 +184,22 @@ def test_bad_weights_are_refused_naming_the_value_and_nothing_is_taken(
         store.acquire({slot: 5}, f"{prefix}t", new_run_id(), HOLDER, LONG_LEASE, weights=named_for(weights))  # type: ignore[arg-type]
     assert named.replace("OTHER", f"{prefix}other") in str(raised.value)
     assert store.leases(slot) == []
+
+
+def test_a_dispatch_heavier_than_the_lease_its_task_holds_counts_the_difference(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    gpu, b, c = f"{prefix}gpu", f"{prefix}b", f"{prefix}c"
+    # Given: b and c held by one task; t holds a GPU unit (weight 1) and x another (2 of 4)
+    blocker = f"{prefix}blocker"
+    admit_weighed(store, {b: 1, c: 1}, {}, blocker)
+    admit_weighed(store, {gpu: 4}, {}, f"{prefix}t")
+    admit_weighed(store, {gpu: 4}, {}, f"{prefix}x")
+    # ... t waits for b at weight 3 on the GPU, and a light task waits for c and a GPU unit
+    assert park_weighed(store, {gpu: 4, b: 1}, {gpu: 3}, f"{prefix}t", 1.0) == ParkOutcome.PARKED
+    assert park_weighed(store, {gpu: 4, c: 1}, {}, f"{prefix}light", 2.0) == ParkOutcome.PARKED
+    # When: b and c free in one release
+    _, woken = store.release_task_and_wake(blocker, DISPATCH_LEASE)
+    # Then: t's dispatch takes the GPU to 4 units (x 1, t 3: a task id counts once, at its
+    # largest weight), and the light task, which would make it 5, is not dispatched
+    assert [w.task_id for w in woken] == [f"{prefix}t"]
+    assert own_status(store, prefix)[gpu].used == 4

@@ -151,11 +151,11 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         limits: dict[str, int] = defaultdict(int)
         for slot, limit in statements.execute(connection, "slot_limits", {"slots": locked}):
             limits[as_text(slot)] = int(limit or 0)
-        live: dict[str, set[str]] = defaultdict(set)
+        live: dict[str, dict[str, int]] = defaultdict(dict)  # slot -> live task id -> its largest weight
         units: dict[str, int] = defaultdict(int)
         for slot, task_id, weight in statements.execute(connection, "live", {"slots": locked}):
             slot = as_text(slot)
-            live[slot].add(as_text(task_id))
+            live[slot][as_text(task_id)] = int(weight)
             units[slot] += min(int(weight), limits[slot])
         closed: set[str] = set()
         seen: set[str] = set()
@@ -201,9 +201,12 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                     continue  # no longer waiting: a readmit or a forget took it since it was read
                 self._insert_leases(connection, len(needed), params)
                 for slot, weight in needed.items():
-                    if task_id not in live[slot]:
-                        live[slot].add(task_id)
-                        units[slot] += min(weight, limits[slot])
+                    # A task id counts once, at its largest weight: a lease heavier than the one it
+                    # holds already adds the difference.
+                    held = live[slot].get(task_id, 0)
+                    if weight > held:
+                        live[slot][task_id] = weight
+                        units[slot] += min(weight, limits[slot]) - min(held, limits[slot])
                 chosen.append((task_id, run_id))
             if not more or all(slot in closed or units[slot] >= limits[slot] for slot in seen):
                 break
