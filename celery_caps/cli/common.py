@@ -285,11 +285,15 @@ def waiter_table(waiters: Iterable[Waiter], title: str | None = None) -> Any:
     from rich.table import Table
 
     now = time.time()
+    waiters = list(waiters)
+    weighted = any(waiter.weight > 1 for waiter in waiters)
     table = Table(title=title, title_justify="left")
     table.add_column("slot")
     table.add_column("#", justify="right")
     for column in ("task id", "task"):
         table.add_column(column)
+    if weighted:
+        table.add_column("weight", justify="right")
     table.add_column("waited", justify="right")
     table.add_column("parked", justify="right")
     table.add_column("state")
@@ -299,6 +303,7 @@ def waiter_table(waiters: Iterable[Waiter], title: str | None = None) -> Any:
             str(waiter.position),
             waiter.task_id,
             waiter.task_name or "?",
+            *([str(waiter.weight)] if weighted else []),
             duration(max(now - waiter.first_deferred_at, 0.0)),
             duration(waiter.age),
             "dispatched" if waiter.dispatched else "waiting",

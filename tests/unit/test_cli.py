@@ -1056,3 +1056,13 @@ def test_status_holders_and_explain_count_the_units_of_weighted_tasks(
     explained = json.loads(run(app, "explain", late, "--json").output)
     assert [(s["slot"], s["holders"], s["units"], s["full"]) for s in explained["slots"]] == [(email, 2, 3, True)]
     assert f"{email}: 3/3 units held by 2 task(s)" in run(app, "explain", late).output
+    # ... and waiters gives a waiting task's weight (stores with a waiting list)
+    if isinstance(store, ParkingStore):
+        request = ParkRequest(
+            {email: 3}, f"{prefix}heavy", uuid.uuid4().hex, "w1@host-a/1", LONG, first_deferred_at=time.time(),
+            max_waiters=100, task_name=f"{prefix}send_email", payload=b"message", weights={email: 2},
+        )  # fmt: skip
+        assert store.park(request) is ParkOutcome.PARKED
+        waiting = json.loads(run(app, "waiters", email, "--json").output)
+        assert [(line["task_id"], line["weight"]) for line in waiting] == [(f"{prefix}heavy", 2)]
+        assert "weight" in run(app, "waiters", email).output
