@@ -52,8 +52,8 @@ END $$
 -- holders leave free (each task id once, at its largest weight), and the slot's oldest heavy
 -- waiter of p_deployment (weight above 1 there, another task: one probe of the partial index
 -- ix_concurrency_waiters_heavy, empty while nobody is heavy) does not need more than that: it
--- holds them.  (The units are not capped at the limit: "units + need > limit" comes out the same
--- either way, since a capped sum below the limit caps nothing.)
+-- holds them.  The limit is read once (OFFSET 0 keeps the planner from copying its lookups into
+-- every use), and the units are the live task ids' count unless one of them weighs more than 1.
 CREATE OR REPLACE FUNCTION concurrency_slots_full(
     p_slots text[], p_limits integer[], p_weights integer[], p_task_id text, p_now double precision,
     p_deployment text
@@ -65,16 +65,19 @@ BEGIN
         CROSS JOIN LATERAL (SELECT coalesce(
             (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = u.slot),
             (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = split_part(u.slot, ':', 1)),
-            u.slot_limit) AS lim) m
+            u.slot_limit) AS lim OFFSET 0) m
         CROSS JOIN LATERAL (
-            SELECT coalesce(sum(t.w), 0) AS units, coalesce(bool_or(t.mine), false) AS mine
-            FROM (SELECT max(c.weight) AS w, bool_or(c.task_id = p_task_id) AS mine FROM concurrency_slots c
-                  WHERE c.slot = u.slot AND c.expires_at > p_now GROUP BY c.task_id) t) h
-        WHERE NOT h.mine AND (least(u.weight, m.lim) > m.lim - h.units
+            SELECT count(DISTINCT c.task_id) AS holders, coalesce(max(c.weight), 1) AS heaviest,
+                coalesce(bool_or(c.task_id = p_task_id), false) AS mine
+            FROM concurrency_slots c WHERE c.slot = u.slot AND c.expires_at > p_now OFFSET 0) h
+        CROSS JOIN LATERAL (SELECT CASE WHEN h.heaviest = 1 THEN h.holders ELSE (
+            SELECT sum(least(t.w, m.lim)) FROM (SELECT max(c.weight) AS w FROM concurrency_slots c
+                WHERE c.slot = u.slot AND c.expires_at > p_now GROUP BY c.task_id) t) END AS units OFFSET 0) n
+        WHERE NOT h.mine AND (least(u.weight, m.lim) > m.lim - n.units
             OR (SELECT least(x.weight, m.lim) FROM concurrency_waiters x
                 WHERE x.slot = u.slot AND x.deployment = p_deployment AND x.weight > 1
                     AND x.dispatch_run_id IS NULL AND x.task_id <> p_task_id
-                ORDER BY x.first_deferred_at, x.parked_at, x.task_id LIMIT 1) > m.lim - h.units));
+                ORDER BY x.first_deferred_at, x.parked_at, x.task_id LIMIT 1) > m.lim - n.units));
 END $$
 ;
 
@@ -118,16 +121,19 @@ BEGIN
         CROSS JOIN LATERAL (SELECT coalesce(
             (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = u.slot),
             (SELECT o.slot_limit FROM concurrency_limits o WHERE o.name = split_part(u.slot, ':', 1)),
-            u.slot_limit) AS lim) m
+            u.slot_limit) AS lim OFFSET 0) m
         CROSS JOIN LATERAL (
-            SELECT coalesce(sum(t.w), 0) AS units, coalesce(bool_or(t.mine), false) AS mine
-            FROM (SELECT max(c.weight) AS w, bool_or(c.task_id = p_task_id) AS mine FROM concurrency_slots c
-                  WHERE c.slot = u.slot AND c.expires_at > v_now GROUP BY c.task_id) t) h
-        WHERE NOT h.mine AND (least(u.weight, m.lim) > m.lim - h.units
+            SELECT count(DISTINCT c.task_id) AS holders, coalesce(max(c.weight), 1) AS heaviest,
+                coalesce(bool_or(c.task_id = p_task_id), false) AS mine
+            FROM concurrency_slots c WHERE c.slot = u.slot AND c.expires_at > v_now OFFSET 0) h
+        CROSS JOIN LATERAL (SELECT CASE WHEN h.heaviest = 1 THEN h.holders ELSE (
+            SELECT sum(least(t.w, m.lim)) FROM (SELECT max(c.weight) AS w FROM concurrency_slots c
+                WHERE c.slot = u.slot AND c.expires_at > v_now GROUP BY c.task_id) t) END AS units OFFSET 0) n
+        WHERE NOT h.mine AND (least(u.weight, m.lim) > m.lim - n.units
             OR (SELECT least(x.weight, m.lim) FROM concurrency_waiters x
                 WHERE x.slot = u.slot AND x.deployment = p_deployment AND x.weight > 1
                     AND x.dispatch_run_id IS NULL AND x.task_id <> p_task_id
-                ORDER BY x.first_deferred_at, x.parked_at, x.task_id LIMIT 1) > m.lim - h.units);
+                ORDER BY x.first_deferred_at, x.parked_at, x.task_id LIMIT 1) > m.lim - n.units);
     IF cardinality(v_full) = 0 THEN
         INSERT INTO concurrency_slots (run_id, slot, task_id, holder, expires_at, task_name, acquired_at, weight)
         SELECT p_run_id, u.slot, p_task_id, p_holder, v_now + p_lease_seconds, p_task_name, v_now, u.weight
