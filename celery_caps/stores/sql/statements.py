@@ -4,7 +4,7 @@
 ``{skip_locked}`` its row locks, ``{slot_starts_with}`` the condition that ``slot`` starts with a
 prefix, exactly and case included (its ``:pattern`` is :meth:`Statements.prefix_pattern`),
 ``{limit_s}`` the limit of the sentinel ``s``: the operator's (:func:`operator_limit`), else its own,
-``{limit_of_t}`` the same of the slot ``t.slot`` (its sentinel read in a subquery),
+``{limit_of_t}`` and ``{limit_of_c}`` the same of the slot ``t.slot``, ``c.slot`` (its sentinel read in a subquery),
 ``{several_index}`` the hint that names ix_concurrency_waiters_several where a planner needs it,
 ``{on_name_taken}`` an INSERT's clause that updates the row whose ``name`` is taken;
 ``:slots``, ``:task_ids``, ``:run_ids`` and ``:task_names`` are lists (expanding binds).
@@ -48,17 +48,19 @@ HEAVY_WAITER = (
     "ORDER BY h.first_deferred_at, h.parked_at, h.task_id LIMIT 1)"
 )
 #: Count live holders, in a statement after the sentinel locks (its snapshot postdates them): per
-#: slot of :s0.. with live leases, its live holders, the units they take (each task id once, at
-#: its largest weight), whether :task_id is one, the limit in force (the operator's, else the
-#: sentinel's, which the locks just set to the task's), and the weight of the slot's oldest heavy
-#: waiter.  (The units are not capped at the limit here: "units + need > limit" and "units >=
-#: limit" come out the same capped or not, since a capped sum below the limit caps nothing.)
+#: slot of :s0.. with live leases, its live holders, the units they take, whether :task_id is one,
+#: the limit in force (the operator's, else the sentinel's, which the locks just set to the
+#: task's), and the weight of the slot's oldest heavy waiter.  The units are the holders while
+#: every live lease weighs 1; else the sum of the live leases' weights, which counts a task id
+#: holding the slot twice twice (rare, and on the safe side: it admits less, never more).  (Not
+#: capped at the limit: "units + need > limit" and "units >= limit" come out the same capped or
+#: not.  No derived table: MariaDB materialises one per admission.)
 # (The sentinel in a scalar subquery, not a join: SQLite would read every sentinel to join them.)
 COUNT_LIVE = (
-    "SELECT t.slot, COUNT(*), SUM(t.w), MAX(t.mine), {limit_of_t}, " + HEAVY_WAITER.format(slot="t.slot") + " "
-    "FROM (SELECT c.slot, MAX(c.weight) AS w, MAX(CASE WHEN c.task_id = :task_id THEN 1 ELSE 0 END) AS mine "
-    "FROM concurrency_slots c WHERE c.slot IN ({slots}) AND c.expires_at > {now} GROUP BY c.slot, c.task_id) t "
-    "GROUP BY t.slot"
+    "SELECT c.slot, COUNT(DISTINCT c.task_id), "
+    "CASE WHEN MAX(c.weight) = 1 THEN COUNT(DISTINCT c.task_id) ELSE SUM(c.weight) END, "
+    "MAX(CASE WHEN c.task_id = :task_id THEN 1 ELSE 0 END), {limit_of_c}, " + HEAVY_WAITER.format(slot="c.slot") + " "
+    "FROM concurrency_slots c WHERE c.slot IN ({slots}) AND c.expires_at > {now} GROUP BY c.slot"
 )
 SENTINEL_ROW = "('', :s{i}, '', '', :l{i})"
 LEASE_ROW = "(:run_id, :s{i}, :task_id, :holder, {now} + :lease_seconds, :task_name, {now}, :w{i})"
@@ -453,6 +455,7 @@ class Statements:
         self._limit_s = f"COALESCE({operator_limit(dialect, 's.slot')}, s.slot_limit)"
         # The limit in force of the slot ``t.slot``, its sentinel read by its key.
         self._limit_of_t = f"(SELECT {self._limit_s} FROM concurrency_slots s WHERE s.run_id = '' AND s.slot = t.slot)"
+        self._limit_of_c = self._limit_of_t.replace("s.slot = t.slot", "s.slot = c.slot")  # of ``c.slot``
         self._compiled = {name: self._compile(template) for name, template in TEMPLATES.items()}
         self._by_count: dict[tuple[str, int], _Prepared] = {}
 
@@ -465,6 +468,7 @@ class Statements:
                 skip_locked=dialect.for_update_skip_locked,
                 limit_s=self._limit_s,
                 limit_of_t=self._limit_of_t,
+                limit_of_c=self._limit_of_c,
                 slot_starts_with=_SLOT_STARTS_WITH.get(dialect.name, _SLOT_LIKE),
                 several_index=_SEVERAL_INDEX.get(dialect.name, ""),
                 on_name_taken=_ON_NAME_TAKEN.get(dialect.name, _ON_CONFLICT_NAME),
@@ -511,7 +515,13 @@ class Statements:
             values = ", ".join(row.format(i=i, now=dialect.now) for i in range(count))
             slots = ", ".join(f":s{i}" for i in range(count))
             prepared = self._prepare(
-                template.format(values=values, slots=slots, now=dialect.now, limit_of_t=self._limit_of_t)
+                template.format(
+                    values=values,
+                    slots=slots,
+                    now=dialect.now,
+                    limit_of_t=self._limit_of_t,
+                    limit_of_c=self._limit_of_c,
+                )
             )
             self._by_count[(kind, count)] = prepared
         return _run(connection, prepared, params)
