@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .caps import Needs
 from .errors import StoreError
 from .messages import deferrals_of, on_store_error, put_back, seconds_waited
 
@@ -29,17 +30,17 @@ def admit(
     task: CappedTask,
     runtime: CapsRuntime,
     request: Any,
-    slots: Mapping[str, int],
-    weights: Mapping[str, int],
+    needs: Needs,
     holder: str,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
 ) -> str | None:
-    """Backoff's admission: the run id holding ``slots`` (at ``weights``); or put the task back (``Ignore``).
-    None: the task runs uncapped (``caps_on_store_error = "run"``)."""
+    """Backoff's admission: the run id holding the slots the task ``needs``; or put the task back
+    (``Ignore``).  None: the task runs uncapped (``caps_on_store_error = "run"``)."""
+    slots = needs.slots
     try:
         admission, run_id = runtime.acquire(
-            slots, request.id, holder, task_name=task.name, deferrals=deferrals_of(request), weights=weights
+            slots, request.id, holder, task_name=task.name, deferrals=deferrals_of(request), weights=needs.weights
         )
     except StoreError as exc:
         on_store_error(task, runtime, request, slots, args, kwargs, exc)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CapKeyError, ConfigurationError
@@ -31,6 +31,7 @@ _FORBIDDEN_CHARACTERS = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 KeyFunction = Callable[..., str]
 LimitFunction = Callable[..., int]
 WeightFunction = Callable[..., int]
+FairFunction = Callable[..., str]
 
 
 #: Longest part of a key function's own exception text that a CapKeyError quotes.
@@ -63,12 +64,17 @@ class Cap:
         weight: How many units of the limit one task takes (default 1): a positive int no
             larger than the limit, or a function called like ``key`` that returns it.  A
             task of weight 3 under a limit of 10 leaves room for 7 more units.
+        fair_by: Optional function called like ``key`` that returns the call's *fair key*
+            (a string, as a key): while the cap is full, its waiting tasks start in turn
+            across fair keys (round-robin), so a tenant with 1,000 queued does not hold
+            back one with 3.  Fair keys may be many; each does not get its own limit.
     """
 
     name: str
     limit: int | LimitFunction
     key: KeyFunction | None = None
     weight: int | WeightFunction = 1
+    fair_by: FairFunction | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -95,6 +101,10 @@ class Cap:
             )
         elif self.limit > MAX_LIMIT:
             raise ConfigurationError(f"Cap {self.name!r}: limit {self.limit} is above {MAX_LIMIT}, {_LARGEST}")
+        if self.fair_by is not None and not callable(self.fair_by):
+            raise ConfigurationError(
+                f"Cap {self.name!r}: fair_by must be a callable or None, got {_describe(self.fair_by)}"
+            )
         if callable(self.weight):
             return
         if not _positive_int(self.weight):
@@ -116,6 +126,16 @@ class Cap:
             return self.name
         key = self._call("key", self.key, args, kwargs)
         return f"{self.name}:{validate_key(self.name, key)}"
+
+    def fair_key_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+        """The fair key of a task called with ``args`` and ``kwargs``; None for a cap without ``fair_by``.
+
+        Raises:
+            CapKeyError: the ``fair_by`` function raised or returned an unusable key.
+        """
+        if self.fair_by is None:
+            return None
+        return validate_key(self.name, self._call("fair_by", self.fair_by, args, kwargs), role="fair_by")
 
     def limit_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
         """The limit of the slot this cap takes for a task called with ``args`` and ``kwargs``.
@@ -204,14 +224,15 @@ def operator_limit(slot: str, limits: Mapping[str, int]) -> int | None:
     return None if name is None else limits[name]
 
 
-def validate_key(cap_name: str, key: object) -> str:
-    """Return ``key`` if it is a usable key for cap ``cap_name``; raise :class:`CapKeyError`."""
+def validate_key(cap_name: str, key: object, *, role: str = "key") -> str:
+    """Return ``key`` if it is a usable key for cap ``cap_name``; raise :class:`CapKeyError`.
+    ``role`` names the function that returned it (``key`` or ``fair_by``)."""
     if not isinstance(key, str):
         raise CapKeyError(
-            f"Cap {cap_name!r}: key function must return a string, got {type(key).__name__} {_describe(key)}"
+            f"Cap {cap_name!r}: {role} function must return a string, got {type(key).__name__} {_describe(key)}"
         )
     if not key:
-        raise CapKeyError(f"Cap {cap_name!r}: key function returned an empty string")
+        raise CapKeyError(f"Cap {cap_name!r}: {role} function returned an empty string")
     if len(key) > MAX_KEY_LENGTH:
         raise CapKeyError(f"Cap {cap_name!r}: key {_describe(key)} is longer than {MAX_KEY_LENGTH} characters")
     if _FORBIDDEN_CHARACTERS.search(key):
@@ -249,19 +270,43 @@ def slots_for(caps: Sequence[Cap], args: Sequence[Any], kwargs: Mapping[str, Any
     return {cap.slot_name(args, kwargs): cap.limit_for(args, kwargs) for cap in caps}
 
 
-def weights_for(
-    caps: Sequence[Cap], slots: Mapping[str, int], args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> dict[str, int]:
-    """Map the slot names (of ``slots``, what :func:`slots_for` returned for the same call) where
-    the call takes more than one unit to how many it takes; empty when every weight is 1.
+@dataclass(frozen=True)
+class Needs:
+    """What one call of a capped task asks of its caps' slots."""
+
+    #: Slot name -> its limit for the call.
+    slots: dict[str, int]
+    #: Slot name -> the units of its limit the call takes, where more than 1.
+    weights: dict[str, int] = field(default_factory=dict)
+    #: Slot name -> the call's fair key there, for the slots of caps with ``fair_by``.
+    fair_keys: dict[str, str] = field(default_factory=dict)
+
+    def of(self, slots: Iterable[str]) -> Needs:
+        """These needs in ``slots`` only."""
+        kept = set(slots)
+        return Needs(
+            {slot: limit for slot, limit in self.slots.items() if slot in kept},
+            {slot: weight for slot, weight in self.weights.items() if slot in kept},
+            {slot: key for slot, key in self.fair_keys.items() if slot in kept},
+        )
+
+
+def needs_for(caps: Sequence[Cap], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Needs:
+    """What a call with ``args`` and ``kwargs`` needs of ``caps``: each cap's slot and limit, and
+    where they are not the defaults, its weight and fair key there.
 
     Raises:
-        CapKeyError: a weight function raised or returned an unusable value.
+        CapKeyError: a key, limit, weight or ``fair_by`` function raised or returned an unusable value.
     """
-    weights = {}
-    for cap, (slot, limit) in zip(caps, slots.items(), strict=True):
+    needs = Needs({})
+    for cap in caps:
+        slot, limit = cap.slot_name(args, kwargs), cap.limit_for(args, kwargs)
+        needs.slots[slot] = limit
         if cap.weight != 1:
             weight = cap.weight_for(args, kwargs, limit)
             if weight > 1:
-                weights[slot] = weight
-    return weights
+                needs.weights[slot] = weight
+        fair_key = cap.fair_key_for(args, kwargs)
+        if fair_key is not None:
+            needs.fair_keys[slot] = fair_key
+    return needs

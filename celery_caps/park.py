@@ -59,7 +59,7 @@ from celery.utils import uuid as new_task_id
 from celery.utils.time import maybe_make_aware
 
 from . import messages
-from .caps import slots_for, weights_for
+from .caps import Needs, needs_for
 from .errors import CapWaitExceeded, StoreError, StoreInputError, TaskIdInUse
 from .handover import dispatch_lease_seconds
 from .health import describe
@@ -118,6 +118,8 @@ class Arrival:
     first_deferred_at: float
     #: Slot name -> units of its limit the task takes, where more than 1.
     weights: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: Slot name -> the task's fair key there (``Cap(fair_by=...)``).
+    fair_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ def decide(
 
     request = ParkRequest(
         arrival.slots, arrival.task_id, new_run_id, arrival.holder, lease_seconds, arrival.first_deferred_at,
-        max_waiters, arrival.task_name, weights=arrival.weights,
+        max_waiters, arrival.task_name, weights=arrival.weights, fair_keys=arrival.fair_keys,
     )  # fmt: skip
     outcome = store.park(request)
     if outcome is ParkOutcome.WAITING:
@@ -216,13 +218,12 @@ def admit(
     task: CappedTask,
     runtime: CapsRuntime,
     request: Any,
-    slots: Mapping[str, int],
-    weights: Mapping[str, int],
+    needs: Needs,
     holder: str,
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
 ) -> str | None:
-    """Park's admission in the process that would run the task: the run id holding ``slots`` (at ``weights``);
+    """Park's admission in the process that would run the task: the run id holding the slots it ``needs``;
     or end this copy with ``Ignore`` (parked, or someone else answers for the task), or put it
     back with backoff (it cannot park).  None: it runs uncapped (``caps_on_store_error = "run"``).
     """
@@ -233,11 +234,13 @@ def admit(
     deferrals = messages.deferrals_of(request)
     first_deferred_at = messages.first_deferred_at(request) or time.time()
     dispatch = messages.header(request, DISPATCH_HEADER)
+    slots = needs.slots
     arrival = Arrival(
         task_id=request.id,
         task_name=task.name,
-        slots=slots,
-        weights=weights,
+        slots=needs.slots,
+        weights=needs.weights,
+        fair_keys=needs.fair_keys,
         holder=holder,
         dispatch_run_id=str(dispatch) if dispatch else None,
         redelivered=bool((getattr(request, "delivery_info", None) or {}).get("redelivered")),
@@ -401,8 +404,8 @@ def admit_when_sent(
         if not isinstance(store, ParkingStore):
             return send_as_usual
         args, kwargs = tuple(args or ()), dict(kwargs or {})
-        slots = slots_for(task._caps, args, kwargs)
-        weights = weights_for(task._caps, slots, args, kwargs)
+        needs = needs_for(task._caps, args, kwargs)
+        slots = needs.slots
     except Exception:
         return send_as_usual  # no usable caps settings, or a bad key: the worker reports it
     # From here on the task is sent under this id whatever happens, as the logs below name it.
@@ -443,7 +446,7 @@ def admit_when_sent(
         outcome = store.park(
             ParkRequest(
                 slots, task_id, run_id, DISPATCH_HOLDER, dispatch_lease_seconds(runtime), first_deferred_at,
-                parking.max_waiters, task.name, payload, weights,
+                parking.max_waiters, task.name, payload, needs.weights, needs.fair_keys,
             )
         )  # fmt: skip
     except StoreInputError:

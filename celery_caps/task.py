@@ -32,7 +32,7 @@ from celery.exceptions import Ignore, Reject
 from celery.utils import uuid as new_task_id
 
 from . import backoff, handover, messages, park
-from .caps import Cap, normalize_caps, slots_for, weights_for
+from .caps import Cap, Needs, needs_for, normalize_caps
 from .errors import CapWaitExceeded, LeaseLost, StoreError
 from .health import describe
 from .runtime import CapsRuntime, holder_name, runtime_for
@@ -127,27 +127,25 @@ class CappedTask(Task):  # type: ignore[misc]
         runtime = runtime_for(self._get_app())
         if request.is_eager and not runtime.settings.enforce_eager:
             return super().__call__(*args, **kwargs)
-        slots = slots_for(caps, args, kwargs)
-        weights = weights_for(caps, slots, args, kwargs)
+        needs = needs_for(caps, args, kwargs)
         holder = holder_name(request.hostname, None)
         run_id: str | None
         if request.is_eager:
             # Slots this thread holds already (an eager call nested in a capped run) are its caller's.
-            needed = {slot: limit for slot, limit in slots.items() if slot not in _HELD_HERE.get()}
-            needed_weights = {slot: weight for slot, weight in weights.items() if slot in needed}
-            run_id = self._admit_waiting(runtime, request, needed, needed_weights, holder) if needed else None
-            runtime.metrics.admitted(needed, 0.0)
+            needed = needs.of(slot for slot in needs.slots if slot not in _HELD_HERE.get())
+            run_id = self._admit_waiting(runtime, request, needed, holder) if needed.slots else None
+            runtime.metrics.admitted(needed.slots, 0.0)
         else:
             runs_before = runtime.runs_of(request.id)
             try:
                 strategy = park if self._parks(runtime, request) else backoff
-                run_id = strategy.admit(self, runtime, request, slots, weights, holder, args, kwargs)
+                run_id = strategy.admit(self, runtime, request, needs, holder, args, kwargs)
             except _GREEN_KILLS as exc:
                 self._give_back_when_killed(runtime, request, runs_before, exc)
         # The body's request is a copy of this one: retry() finds the run there.
         request.caps_run_id = run_id
         try:
-            with _holding(slots):
+            with _holding(needs.slots):
                 return super().__call__(*args, **kwargs)
         finally:
             # Set after the body (a request pushed during it copies this one's attributes).
@@ -337,9 +335,7 @@ class CappedTask(Task):  # type: ignore[misc]
         except Exception as exc:  # the state is information; the task must still go back
             logger.warning("%s[%s]: could not store state %s (%s)", self.name, request.id, DEFERRED_STATE, exc)
 
-    def _admit_waiting(
-        self, runtime: CapsRuntime, request: Any, slots: Mapping[str, int], weights: Mapping[str, int], holder: str
-    ) -> str | None:
+    def _admit_waiting(self, runtime: CapsRuntime, request: Any, needs: Needs, holder: str) -> str | None:
         """An eager run under ``caps_enforce_eager``: wait in this process until the caps admit.
 
         There is no broker to put it back to: a full cap, or a store error under
@@ -353,15 +349,15 @@ class CappedTask(Task):  # type: ignore[misc]
         while True:
             try:
                 admission, run_id = runtime.acquire(
-                    slots, task_id, holder, task_name=self.name, deferrals=attempt, weights=weights
+                    needs.slots, task_id, holder, task_name=self.name, deferrals=attempt, weights=needs.weights
                 )
                 full = list(admission.full_slots)
             except StoreError as exc:
                 if settings.on_store_error != "defer":
-                    messages.on_store_error(self, runtime, request, slots, (), {}, exc)
+                    messages.on_store_error(self, runtime, request, needs.slots, (), {}, exc)
                     return None  # "run": uncapped ("fail" raised)
                 logger.warning("%s[%s] waits: slot store error (%s)", self.name, task_id, describe(exc))
-                admission, run_id, full = None, "", list(slots)
+                admission, run_id, full = None, "", list(needs.slots)
             if admission is not None and admission.granted:
                 return run_id
             waited = time.monotonic() - started

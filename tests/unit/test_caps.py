@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from celery_caps.caps import MAX_KEY_LENGTH, MAX_NAME_LENGTH, Cap, normalize_caps, slots_for, weights_for
+from celery_caps.caps import MAX_KEY_LENGTH, MAX_NAME_LENGTH, Cap, needs_for, normalize_caps, slots_for
 from celery_caps.errors import CapKeyError, CapsError, ConfigurationError, StoreError
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import SlotStore, mask_url
@@ -473,11 +473,9 @@ def gpus_needed(model: str, **kwargs: Any) -> int:
 def test_a_weight_says_how_many_units_of_its_slot_a_call_takes() -> None:
     caps = [Cap("gpu", 10, weight=gpus_needed), Cap("tenant", 2, key=tenant_key), Cap("disk", 4, weight=2)]
 
-    slots = slots_for(caps, ("large-7b",), {})
-    assert weights_for(caps, slots, ("large-7b",), {}) == {"gpu": 3, "disk": 2}
+    assert needs_for(caps, ("large-7b",), {}).weights == {"gpu": 3, "disk": 2}
     # Weights of 1 are left out: an unweighted call passes nothing more to the store
-    slots = slots_for(caps[:2], ("small",), {})
-    assert weights_for(caps[:2], slots, ("small",), {}) == {}
+    assert needs_for(caps[:2], ("small",), {}).weights == {}
 
 
 @pytest.mark.parametrize(
@@ -515,7 +513,7 @@ def test_a_weight_function_returning_a_bad_weight_fails_the_call_naming_it(weigh
 
     cap = Cap("gpu", 10, weight=weight_of)
     with pytest.raises(CapKeyError) as raised:
-        weights_for([cap], {"gpu": 10}, ("large",), {})
+        needs_for([cap], ("large",), {})
 
     message = str(raised.value)
     assert "'gpu'" in message and "weight_of" in message and expected in message
@@ -526,14 +524,63 @@ def test_a_weight_function_that_raises_becomes_a_cap_key_error() -> None:
         raise KeyError(model)
 
     with pytest.raises(CapKeyError, match=r"'gpu': weight function .*weight_of raised KeyError: 'large'") as raised:
-        weights_for([Cap("gpu", 10, weight=weight_of)], {"gpu": 10}, ("large",), {})
+        needs_for([Cap("gpu", 10, weight=weight_of)], ("large",), {})
     assert isinstance(raised.value.__cause__, KeyError)
 
 
 def test_a_weight_above_the_limit_a_limit_function_gives_fails_that_call() -> None:
     cap = Cap("tenant", plan_limit, key=tenant_key, weight=3)
-    assert weights_for([cap], slots_for([cap], ("premium-acme",), {}), ("premium-acme",), {}) == {
-        "tenant:premium-acme": 3
-    }
+    assert needs_for([cap], ("premium-acme",), {}).weights == {"tenant:premium-acme": 3}
     with pytest.raises(CapKeyError, match=r"'tenant': weight 3 is above the call's limit 1"):
-        weights_for([cap], slots_for([cap], ("globex",), {}), ("globex",), {})
+        needs_for([cap], ("globex",), {})
+
+
+# -- fair shares ---------------------------------------------------------------------------
+
+
+def tenant_of(tenant_id: str, **kwargs: Any) -> str:
+    return tenant_id
+
+
+def test_a_fair_key_is_what_fair_by_returns_for_the_call() -> None:
+    caps = [Cap("provider", 25, fair_by=tenant_of), Cap("tenant", 2, key=tenant_key)]
+
+    needs = needs_for(caps, ("acme",), {})
+    assert needs.slots == {"provider": 25, "tenant:acme": 2}
+    assert needs.fair_keys == {"provider": "acme"}
+    # A cap without fair_by passes none: the store orders its list first come, first served
+    assert needs_for(caps[1:], ("acme",), {}).fair_keys == {}
+    assert needs.of(["tenant:acme"]).fair_keys == {} and needs.of(["provider"]).fair_keys == {"provider": "acme"}
+
+
+@pytest.mark.parametrize(
+    ("fair_key", "expected"),
+    [
+        (7, "fair_by function must return a string, got int 7"),
+        ("", "fair_by function returned an empty string"),
+        ("x" * (MAX_KEY_LENGTH + 1), f"is longer than {MAX_KEY_LENGTH} characters"),
+        ("a\x00b", "contains a control character"),
+    ],
+    ids=repr,
+)
+def test_a_fair_by_function_returning_a_bad_key_fails_the_call_naming_it(fair_key: object, expected: str) -> None:
+    def fair_key_of(tenant_id: str) -> object:
+        return fair_key
+
+    with pytest.raises(CapKeyError) as raised:
+        needs_for([Cap("provider", 25, fair_by=fair_key_of)], ("acme",), {})  # type: ignore[arg-type]
+
+    assert "'provider'" in str(raised.value) and expected in str(raised.value)
+
+
+def test_a_fair_by_function_that_raises_becomes_a_cap_key_error_naming_it() -> None:
+    def fair_key_of(tenant_id: str) -> str:
+        raise LookupError(tenant_id)
+
+    with pytest.raises(CapKeyError, match=r"'provider': fair_by function .*fair_key_of raised LookupError: acme"):
+        needs_for([Cap("provider", 25, fair_by=fair_key_of)], ("acme",), {})
+
+
+def test_fair_by_that_is_not_callable_is_refused_when_the_cap_is_declared() -> None:
+    with pytest.raises(ConfigurationError, match=r"'provider': fair_by must be a callable or None, got 'tenant_id'"):
+        Cap("provider", 25, fair_by="tenant_id")  # type: ignore[arg-type]
