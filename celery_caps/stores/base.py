@@ -283,6 +283,11 @@ class Waiter:
     dispatched: bool
     #: How many units of the slot's limit it needs (``Cap(weight=...)``).
     weight: int = 1
+    #: Its fair key in the slot (``Cap(fair_by=...)``), None in a slot of a cap without one.
+    fair_key: str | None = None
+    #: Its round in the slot's list (0 in a slot of a cap without ``fair_by``): see
+    #: :class:`ParkingStore`, "Fair shares".
+    fair_round: int = 0
 
 
 #: The holder of a dispatch lease until the dispatched task claims it.
@@ -332,6 +337,9 @@ class ParkRequest:
     #: Slot name -> how many units of its limit the task takes, for the slots where that is
     #: not 1 (see :meth:`SlotStore.acquire`); kept with the entry for its dispatch.
     weights: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: Slot name -> the task's fair key there, for the slots of caps with ``fair_by`` (see
+    #: :class:`ParkingStore`, "Fair shares"); kept with the entry.
+    fair_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 #: Dispatches of a task with leases (holding its slots for it) before recovery gives up holding
@@ -370,6 +378,8 @@ def _check_park(request: ParkRequest) -> None:
     checks.admission(
         request.slots, request.task_id, request.run_id, request.holder, request.lease_seconds, weights=request.weights
     )
+    if request.fair_keys:
+        checks.fair_key_map(request.fair_keys, request.slots)
     checks.seconds("first_deferred_at", request.first_deferred_at, positive=False)
     checks.count("max_waiters", request.max_waiters)
     if request.payload is not None and not isinstance(request.payload, bytes):
@@ -723,6 +733,17 @@ class ParkingStore(SlotStore):
     order and, at the first that does not fit a slot's room, gives that slot to no entry after
     it.  A light entry needs more than is free only when the slot is full: with every weight 1
     nothing changes.
+
+    **Fair shares.**  Each entry of a slot's list has a *round* there: 0 in a slot without fair
+    keys (a request's ``fair_keys`` names none of its slots).  An entry parked with fair key
+    ``k`` in slot ``E`` gets round ``max(head, last + 1)``, where ``head`` is the smallest round
+    of ``E``'s listed entries (waiting or dispatched) of this deployment, 0 if none, and
+    ``last`` is the largest round of those entries with key ``k`` (``head - 1`` if none).  A
+    slot's list is in the order (round, first deferral, park time, task id), so keys waiting
+    together are served in turn: a key with 1,000 entries takes one place per round like a key
+    with 3.  (Redis orders one round by park time, not first deferral: they differ only for a
+    task parked again.)  A hand-over walk that reads several lists merges them: each list's
+    own order is kept, and an entry on several lists is met at its first place among them.
     """
 
     #: How long a tombstone lasts, in seconds (:data:`DONE_SECONDS`; tests shorten it).

@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from ..caps import MAX_LIMIT, MAX_SLOT_LENGTH
+from ..caps import MAX_KEY_LENGTH, MAX_LIMIT, MAX_SLOT_LENGTH
 from ..errors import StoreInputError
 
 #: Longest task id, run id or holder a store keeps, in characters.
@@ -100,6 +100,16 @@ def weight_map(value: object, slots_: Mapping[str, int]) -> None:
             raise StoreInputError(f"slot {name!r}: its weight must be a positive integer, got {_describe(weight)}")
         if weight > slots_[name]:
             raise StoreInputError(f"slot {name!r}: its weight {weight} is above its limit {slots_[name]}")
+
+
+def fair_key_map(value: object, slots_: Mapping[str, int]) -> None:
+    """Slot name -> fair key: slots of ``slots_`` only, each key a text a cap's key could be."""
+    if not isinstance(value, Mapping):
+        raise StoreInputError(f"fair_keys must map slot names to fair keys, got {_describe(value)}")
+    for name, key in value.items():
+        if name not in slots_:
+            raise StoreInputError(f"fair_keys name slot {_describe(name)}, which is not among the slots asked for")
+        text(f"slot {name!r}: its fair key", key, longest=MAX_KEY_LENGTH)
 
 
 def admission(

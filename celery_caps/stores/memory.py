@@ -73,6 +73,15 @@ class _WaiterEntry:
     deployment: str = ""
     #: Slot name -> the units it takes there, where above 1.
     weights: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: Slot name -> its fair key and round there, where it has a fair key.
+    fair: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+
+    def round_in(self, slot: str) -> int:
+        return self.fair[slot][1] if slot in self.fair else 0
+
+    def place_in(self, slot: str) -> tuple[int, float, float, int]:
+        """Its place in ``slot``'s list: round, first deferral, park time, then park order."""
+        return self.round_in(slot), self.first_deferred_at, self.parked_at, self.sequence
 
     @property
     def waiting(self) -> bool:
@@ -210,8 +219,23 @@ class MemoryStore(ParkingStore):
                 task_id, tuple(sorted(slots)), request.payload, request.first_deferred_at, now, next(self._sequence),
                 request.task_name, dispatches=dispatches, deployment=self.deployment,
                 weights={slot: weight for slot, weight in request.weights.items() if weight > 1},
+                fair={slot: (key, self._round_for(slot, key)) for slot, key in request.fair_keys.items()},
             )  # fmt: skip
             return ParkOutcome.PARKED
+
+    def _round_for(self, slot: str, fair_key: str) -> int:
+        """The round of a new entry of ``fair_key`` in ``slot``'s list: the list's first round, or
+        the key's last one's next if later (see :class:`ParkingStore`, "Fair shares")."""
+        listed = [
+            entry
+            for entry in self._waiting.values()
+            if entry.listed and entry.deployment == self.deployment and slot in entry.slots
+        ]
+        head = min((entry.round_in(slot) for entry in listed), default=0)
+        last = max(
+            (entry.fair[slot][1] for entry in listed if entry.fair.get(slot, ("", 0))[0] == fair_key), default=head - 1
+        )
+        return max(head, last + 1)
 
     def _add_leases(
         self,
@@ -249,12 +273,16 @@ class MemoryStore(ParkingStore):
         """Dispatch the oldest waiters of this deployment (of one of the slots ``only``, if given)
         that have room (the lock is held)."""
         woken = []
-        waiting = self._in_order(
-            waiter
-            for waiter in self._waiting.values()
-            if waiter.waiting
-            and waiter.deployment == self.deployment
-            and (only is None or not only.isdisjoint(waiter.slots))
+        # The lists of the slots ``only`` merged: each entry at its first place among them.
+        waiting = sorted(
+            (
+                waiter
+                for waiter in self._waiting.values()
+                if waiter.waiting
+                and waiter.deployment == self.deployment
+                and (only is None or not only.isdisjoint(waiter.slots))
+            ),
+            key=lambda waiter: min(waiter.place_in(slot) for slot in waiter.slots if only is None or slot in only),
         )
         held: set[str] = set()  # slots an earlier waiter of this walk did not fit
         for waiter in waiting:
@@ -435,11 +463,14 @@ class MemoryStore(ParkingStore):
             for name in sorted({name for waiter in ordered for name in waiter.slots}):
                 if slot is not None and name != slot:
                     continue
-                of_slot = [waiter for waiter in ordered if name in waiter.slots]
+                of_slot = sorted(
+                    (waiter for waiter in ordered if name in waiter.slots), key=lambda waiter: waiter.place_in(name)
+                )
                 result.extend(
                     Waiter(
                         name, waiter.task_id, waiter.task_name, waiter.first_deferred_at, now - waiter.parked_at,
                         position, waiter.dispatch_run_id is not None, waiter.weights.get(name, 1),
+                        waiter.fair[name][0] if name in waiter.fair else None, waiter.round_in(name),
                     )
                     for position, waiter in enumerate(of_slot, 1)
                 )  # fmt: skip
