@@ -90,6 +90,9 @@ TASKS = {
 #: how many.  Deploys keep cap g's limit at 2 or more (a weight above the limit in code fails the
 #: task); an operator may cut it to 1, under which t4 counts as the whole limit.
 WEIGHTS = {"t4": {"g": 2}}
+#: Cap -> task -> its fair key there (``Cap(fair_by=...)``): caps g and k:a are served in turn
+#: across the keys x and y.
+FAIR_KEYS = {"g": {"t0": "x", "t1": "x", "t2": "y", "t4": "y"}, "k:a": {"t0": "x", "t1": "x", "t5": "y"}}
 #: Tasks whose message is over the store's bound (``caps_park_max_payload_bytes``): they wait
 #: in the list without it, and their message goes back to the broker until their turn.
 LARGE_TASKS = {"t2"}
@@ -258,6 +261,10 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
             """The slots where ``task`` takes more than one unit in the deployed code: weights."""
             return {self.cap_slot(cap): weight for cap, weight in WEIGHTS.get(task, {}).items()}
 
+        def fair_keys_of(self, task: str) -> dict[str, str]:
+            """The slots where ``task`` has a fair key in the deployed code: its fair keys."""
+            return {self.cap_slot(cap): keys[task] for cap, keys in FAIR_KEYS.items() if task in keys}
+
         def units(self, tasks: Collection[str], slot: str, limit: int) -> int:
             """The units of ``slot`` that ``tasks`` (model names) take, each at most ``limit``."""
             cap = "g" if self.task_of(slot) == "g2" else self.task_of(slot)
@@ -399,6 +406,7 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 redelivered=message.redelivered,
                 first_deferred_at=first,
                 weights=self.weights_of(message.task),
+                fair_keys=self.fair_keys_of(message.task),
             )
             request = SimpleNamespace(headers=message.headers)
             deferrals = messages.deferrals_of(request)
@@ -746,6 +754,22 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 )
 
         @invariant()
+        def lists_served_in_turn(self) -> None:
+            """Each slot's list is in round order, and a fair key's entries in it each have their
+            own round: keys take turns (the order the hand-overs follow, checked in test_fair)."""
+            lists: dict[str, list[tuple[str | None, int, int]]] = {}
+            for waiter in self.real_store.waiters():
+                if waiter.slot in self.all_slots:
+                    lists.setdefault(waiter.slot, []).append((waiter.fair_key, waiter.fair_round, waiter.position))
+            for slot, entries in lists.items():
+                rounds = [fair_round for _, fair_round, _ in sorted(entries, key=lambda entry: entry[2])]
+                assert rounds == sorted(rounds), f"slot {self.task_of(slot)}'s list: rounds {rounds}\n{self.history()}"
+                keyed = Counter((key, fair_round) for key, fair_round, _ in entries if key is not None)
+                assert all(count == 1 for count in keyed.values()), (
+                    f"slot {self.task_of(slot)}: a fair key has two entries in one round: {keyed}\n{self.history()}"
+                )
+
+        @invariant()
         def one_body_at_a_time(self) -> None:
             running = Counter(
                 state.process.message.task
@@ -913,6 +937,27 @@ def test_a_copy_returned_by_a_warm_shutdown_after_another_dispatch_ran_never_run
         # Then: it ends against the tombstone of D2: t5 ran once (the model fails otherwise)
         _run_through(machine, "w2", "t5")
         assert machine.starts[("t5", 0)] == 1, machine.history()
+    finally:
+        machine.clean_up()
+
+
+def test_keys_waiting_for_a_fair_cap_take_turns(protocol_target: StoreTarget | None) -> None:
+    machine = make_machine(protocol_target, protocol_target is None)()
+    try:
+        # Given: t4 takes the whole of cap g (weight 2); t0 and t1 (fair key x), then t2 (y) park
+        machine.send({"t4", "t0", "t1", "t2"})
+        _deliver(machine, "t4", "w1", dispatched=False)
+        _start(machine, "w1", "t4")
+        for task in ("t0", "t1", "t2"):
+            _deliver(machine, task, "w2", dispatched=False)
+            _run_through(machine, "w2", task)
+        # Then: y's first task is served before x's second, though it came later
+        order = [machine.task_of(w.task_id) for w in machine.real_store.waiters(machine.slot("g"))]
+        assert order == ["t0", "t2", "t1"], machine.history()
+        # And every task runs, once
+        _finish(machine, "w1")
+        machine.finish()
+        assert all(machine.finished[task] == 1 for task in ("t4", "t0", "t1", "t2")), machine.history()
     finally:
         machine.clean_up()
 
