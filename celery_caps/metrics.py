@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .errors import ConfigurationError, MissingDependencyError, StoreError
@@ -282,10 +283,10 @@ class FleetCollector:
         self._caps = caps
         self._threshold = key_warning_threshold
         self._lock = threading.Lock()
-        self._cached: tuple[float, list[SlotStatus], dict[str, int] | None] | None = None
+        self._cached: tuple[float, list[SlotStatus], _Waiting | None] | None = None
         self._over_threshold: set[str] = set()
 
-    def _statuses(self) -> tuple[list[SlotStatus], dict[str, int] | None]:
+    def _statuses(self) -> tuple[list[SlotStatus], _Waiting | None]:
         """The slots' statuses, and the tasks waiting per cap (None for a store that does not park)."""
         with self._lock:
             now = time.monotonic()
@@ -296,7 +297,7 @@ class FleetCollector:
                     own = set(self._caps())
                     statuses = [status for status in statuses if cap_of(status.slot) in own]
                     if waiting is not None:
-                        waiting = {cap: count for cap, count in waiting.items() if cap in own}
+                        waiting = waiting.of(own)
                 self._cached = (now, statuses, waiting)
             return self._cached[1], self._cached[2]
 
@@ -339,9 +340,10 @@ class FleetCollector:
             ("celery_caps_expired_leases", "Expired leases not swept yet", expired),
         ]
         if waiting is not None:  # every cap the store knows, 0 when nothing waits
-            waiting = {**dict.fromkeys(held, 0), **waiting}
             documentation = "Tasks in the store's waiting list for a cap's slots, not yet woken (park)"
-            gauges.append(("celery_caps_waiting_tasks", documentation, waiting))
+            gauges.append(("celery_caps_waiting_tasks", documentation, {**dict.fromkeys(held, 0), **waiting.tasks}))
+            documentation = "Distinct fair keys (Cap(fair_by=...)) with a task waiting for a cap, not yet woken"
+            gauges.append(("celery_caps_fair_keys_waiting", documentation, waiting.fair_keys))
         for name, documentation, values in gauges:
             family = GaugeMetricFamily(name, documentation, labels=["cap"])
             for cap, value in sorted(values.items()):
@@ -363,15 +365,35 @@ class FleetCollector:
                 self._over_threshold.discard(cap)
 
 
-def _waiting_per_cap(store: SlotStore) -> dict[str, int] | None:
-    """Distinct tasks waiting (not dispatched) per cap in ``store``'s waiting list (None: it has none)."""
+def _waiting_per_cap(store: SlotStore) -> _Waiting | None:
+    """Distinct tasks waiting (not dispatched) per cap in ``store``'s waiting list, and distinct
+    fair keys they wait under, for caps with ``fair_by`` (None: the store has no waiting list)."""
     if not isinstance(store, ParkingStore):
         return None
     tasks: dict[str, set[str]] = {}
+    fair_keys: dict[str, set[str]] = {}
     for waiter in store.waiters():
         if not waiter.dispatched:
             tasks.setdefault(cap_of(waiter.slot), set()).add(waiter.task_id)
-    return {cap: len(task_ids) for cap, task_ids in tasks.items()}
+            if waiter.fair_key is not None:
+                fair_keys.setdefault(cap_of(waiter.slot), set()).add(waiter.fair_key)
+    return _Waiting(
+        {cap: len(task_ids) for cap, task_ids in tasks.items()}, {cap: len(keys) for cap, keys in fair_keys.items()}
+    )
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """The waiting list per cap: distinct tasks waiting, and distinct fair keys among them."""
+
+    tasks: dict[str, int]
+    fair_keys: dict[str, int]
+
+    def of(self, caps: Collection[str]) -> _Waiting:
+        return _Waiting(
+            {cap: count for cap, count in self.tasks.items() if cap in caps},
+            {cap: count for cap, count in self.fair_keys.items() if cap in caps},
+        )
 
 
 def registry_for(

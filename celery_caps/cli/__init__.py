@@ -101,14 +101,22 @@ class SlotWaiting:
     #: How long the longest-waiting of them has waited since its first deferral (seconds; the
     #: deferring worker's clock against this machine's).
     oldest_seconds: float
+    #: Distinct fair keys among them (``Cap(fair_by=...)``; 0 for a cap without).
+    fair_keys: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.waiters} ({self.fair_keys} keys)" if self.fair_keys else str(self.waiters)
 
 
 def waiting_per_slot(waiters: Iterable[Waiter]) -> dict[str, SlotWaiting]:
     now = time.time()
     found: dict[str, list[float]] = {}
+    fair_keys: dict[str, set[str]] = {}
     for waiter in waiters:
         found.setdefault(waiter.slot, []).append(max(now - waiter.first_deferred_at, 0.0))
-    return {slot: SlotWaiting(len(waits), max(waits)) for slot, waits in found.items()}
+        if waiter.fair_key is not None:
+            fair_keys.setdefault(waiter.slot, set()).add(waiter.fair_key)
+    return {slot: SlotWaiting(len(waits), max(waits), len(fair_keys.get(slot, ()))) for slot, waits in found.items()}
 
 
 @dataclass(frozen=True)
@@ -245,7 +253,7 @@ def _status_tables(
         cells = [status.slot, limit_text, holders, str(status.expired)]
         if show_waiting:
             slot_waiting = waiting.get(status.slot)
-            cells += [str(slot_waiting.waiters), duration(slot_waiting.oldest_seconds)] if slot_waiting else ["0", "-"]
+            cells += [str(slot_waiting), duration(slot_waiting.oldest_seconds)] if slot_waiting else ["0", "-"]
         slots.add_row(*cells)
     return [summary, slots]
 
@@ -297,6 +305,7 @@ def status(ctx: click.Context, as_json: bool, cap: str | None) -> None:
                         "oldest_waiter_seconds": waiting[status.slot].oldest_seconds
                         if status.slot in waiting
                         else None,
+                        "fair_keys_waiting": waiting[status.slot].fair_keys if status.slot in waiting else 0,
                     }
                     for status in statuses
                     if cap is None or status.slot.partition(":")[0] == cap

@@ -278,6 +278,8 @@ def waiter_json(waiter: Waiter, now: float) -> dict[str, Any]:
         "parked_seconds": waiter.age,
         "state": "dispatched" if waiter.dispatched else "waiting",
         "weight": waiter.weight,
+        "fair_key": waiter.fair_key,
+        "fair_round": waiter.fair_round,
     }
 
 
@@ -287,6 +289,7 @@ def waiter_table(waiters: Iterable[Waiter], title: str | None = None) -> Any:
     now = time.time()
     waiters = list(waiters)
     weighted = any(waiter.weight > 1 for waiter in waiters)
+    fair = any(waiter.fair_key is not None for waiter in waiters)
     table = Table(title=title, title_justify="left")
     table.add_column("slot")
     table.add_column("#", justify="right")
@@ -294,6 +297,9 @@ def waiter_table(waiters: Iterable[Waiter], title: str | None = None) -> Any:
         table.add_column(column)
     if weighted:
         table.add_column("weight", justify="right")
+    if fair:
+        table.add_column("fair key")
+        table.add_column("round", justify="right")
     table.add_column("waited", justify="right")
     table.add_column("parked", justify="right")
     table.add_column("state")
@@ -304,6 +310,7 @@ def waiter_table(waiters: Iterable[Waiter], title: str | None = None) -> Any:
             waiter.task_id,
             waiter.task_name or "?",
             *([str(waiter.weight)] if weighted else []),
+            *([waiter.fair_key or "-", str(waiter.fair_round)] if fair else []),
             duration(max(now - waiter.first_deferred_at, 0.0)),
             duration(waiter.age),
             "dispatched" if waiter.dispatched else "waiting",

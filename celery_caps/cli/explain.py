@@ -50,9 +50,18 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
     all_waiters = operator.waiters()
     parked = [waiter for waiter in all_waiters if waiter.task_id == task_id]
     in_line = {waiter.slot: 0 for waiter in parked}
+    # In a slot with fair keys: the keys waiting there, and the entries of this task's key ahead of it
+    keys_in_line: dict[str, set[str]] = {waiter.slot: set() for waiter in parked}
+    own_key_ahead = {waiter.slot: 0 for waiter in parked}
+    own = {waiter.slot: waiter for waiter in parked}
     for waiter in all_waiters:
         if waiter.slot in in_line:
             in_line[waiter.slot] += 1
+            if waiter.fair_key is not None:
+                keys_in_line[waiter.slot].add(waiter.fair_key)
+                mine = own[waiter.slot]
+                if waiter.fair_key == mine.fair_key and waiter.position < mine.position:
+                    own_key_ahead[waiter.slot] += 1
     from ..errors import StoreError
 
     since = time.time() - (operator.settings.history_seconds or 7 * 86400)
@@ -151,6 +160,10 @@ def explain_task(operator: Operator, task_id: str) -> dict[str, Any]:
                 "waiters": in_line[waiter.slot],
                 "parked_seconds": waiter.age,
                 "dispatched": waiter.dispatched,
+                "fair_key": waiter.fair_key,
+                "fair_round": waiter.fair_round,
+                "fair_keys_waiting": len(keys_in_line[waiter.slot]),
+                "ahead_of_same_key": own_key_ahead[waiter.slot],
             }
             for waiter in parked
         ],
@@ -215,6 +228,12 @@ def print_explanation(report: Mapping[str, Any]) -> None:
                 f"    {entry['slot']}: position {entry['position']} of {entry['waiters']} "
                 f"(in the list for {duration(entry['parked_seconds'])})"
             )
+            if entry["fair_key"] is not None:
+                console.print(
+                    f"      fair key {entry['fair_key']!r}, round {entry['fair_round']}: "
+                    f"{entry['ahead_of_same_key']} of its key ahead of it, {entry['fair_keys_waiting']} key(s) "
+                    "taking turns"
+                )
     if report["state"] == "dispatched":
         console.print("  dispatched: its slots are reserved for it and its message is on the way")
     if report["state"] == LAST_SEEN_WAITING and report["last_deferred_at"]:

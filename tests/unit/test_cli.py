@@ -1066,3 +1066,39 @@ def test_status_holders_and_explain_count_the_units_of_weighted_tasks(
         waiting = json.loads(run(app, "waiters", email, "--json").output)
         assert [(line["task_id"], line["weight"]) for line in waiting] == [(f"{prefix}heavy", 2)]
         assert "weight" in run(app, "waiters", email).output
+
+
+def test_status_waiters_and_explain_show_the_fair_keys_that_take_turns(
+    app: Celery, store: SlotStore, prefix: str
+) -> None:
+    if not isinstance(store, ParkingStore):
+        pytest.skip(f"{type(store).__name__} has no waiting list")
+    # Given: the e-mail cap (limit 1) is full; tenant acme parks two tasks, then globex one
+    email = f"{prefix}email"
+    assert store.acquire({email: 1}, f"{prefix}running", uuid.uuid4().hex, "w1@host-a/1", LONG).granted
+    for number, tenant in enumerate(["acme", "acme", "globex"]):
+        request = ParkRequest(
+            {email: 1}, f"{prefix}{tenant}-{number}", uuid.uuid4().hex, "w1@host-a/1", LONG,
+            first_deferred_at=time.time() + number, max_waiters=100, task_name=f"{prefix}send_email",
+            payload=b"message", fair_keys={email: tenant},
+        )  # fmt: skip
+        assert store.park(request) is ParkOutcome.PARKED
+    # Then: waiters lists them in the order they will start, with their keys and rounds
+    waiting = json.loads(run(app, "waiters", email, "--json").output)
+    assert [(line["task_id"], line["fair_key"], line["position"]) for line in waiting] == [
+        (f"{prefix}acme-0", "acme", 1), (f"{prefix}globex-2", "globex", 2), (f"{prefix}acme-1", "acme", 3)
+    ]  # fmt: skip
+    table = run(app, "waiters", email).output
+    assert "fair key" in table and "globex" in table
+    # ... status counts the keys taking turns
+    report = json.loads(run(app, "status", "--json").output)
+    slot = next(line for line in report["slots"] if line["slot"] == email)
+    assert (slot["waiters"], slot["fair_keys_waiting"]) == (3, 2)
+    assert "3 (2 keys)" in run(app, "status", "--cap", email).output
+    # ... and explain says where acme's second task stands
+    explained = json.loads(run(app, "explain", f"{prefix}acme-1", "--json").output)
+    [entry] = explained["parked"]
+    assert (entry["fair_key"], entry["ahead_of_same_key"], entry["fair_keys_waiting"]) == ("acme", 1, 2)
+    assert "fair key 'acme', round 1: 1 of its key ahead of it, 2 key(s) taking turns" in (
+        run(app, "explain", f"{prefix}acme-1").output
+    )

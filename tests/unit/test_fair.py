@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import pytest
 
 from celery_caps.errors import StoreInputError
+from celery_caps.metrics import FleetCollector
 from celery_caps.stores.base import ParkOutcome, ParkRequest, SlotStore
 from tests.unit.test_store_changes import claim_all
 from tests.unit.test_stores import DISPATCH_LEASE, HOLDER, LONG_LEASE, admit, parking_store
@@ -140,3 +141,18 @@ def test_bad_fair_keys_are_refused_naming_the_value_and_nothing_is_stored(
         park_fair(store, {slot: 1}, f"{prefix}bad", 1.0, fair_keys)  # type: ignore[arg-type]
     assert expected in str(raised.value)
     assert store.waiters(slot) == [] and store.entry(f"{prefix}bad") is None
+
+
+def test_the_metrics_count_the_fair_keys_waiting_per_cap(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot = f"{prefix}provider"
+    admit(store, {slot: 1}, f"{prefix}running")
+    queue(store, slot, prefix, ["a", "a", "b", "c"])
+    collector = FleetCollector(lambda: store, key_warning_threshold=1000, caps=lambda: [slot])
+    samples = {
+        (sample.name, sample.labels.get("cap")): sample.value
+        for family in collector.collect()
+        for sample in family.samples
+    }
+    assert samples[("celery_caps_waiting_tasks", slot)] == 4
+    assert samples[("celery_caps_fair_keys_waiting", slot)] == 3
