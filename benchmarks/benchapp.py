@@ -143,6 +143,8 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
     wide = Cap(f"{prefix}wide", WIDE_LIMIT)
     global_cap = Cap(f"{prefix}global", int(setting(env, "CAPS_BENCH_GLOBAL_LIMIT")))
     tenant_cap = Cap(f"{prefix}tenant", int(setting(env, "CAPS_BENCH_TENANT_LIMIT")), key=lambda tenant, ms: tenant)
+    # The global cap's twin served in turn across tenants (the fairness part).
+    fair_cap = Cap(f"{prefix}fair", int(setting(env, "CAPS_BENCH_GLOBAL_LIMIT")), fair_by=lambda tenant, ms: tenant)
 
     @app.task(name="bench.noop", base=Task, shared=False)
     def noop() -> None:
@@ -191,6 +193,10 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
 
     @app.task(name="bench.global", base=CappedTask, cap=global_cap, bind=True, shared=False)
     def global_task(self: Any, tenant: str, ms: float) -> None:
+        record(self, tenant, ms)
+
+    @app.task(name="bench.global_fair", base=CappedTask, cap=fair_cap, bind=True, shared=False)
+    def global_fair_task(self: Any, tenant: str, ms: float) -> None:
         record(self, tenant, ms)
 
     @app.task(name="bench.tenant", base=CappedTask, cap=tenant_cap, bind=True, shared=False)

@@ -282,6 +282,10 @@ def tier_limit(tenant: str, *args: Any, **kwargs: Any) -> int:
 GPU_LIMIT = 5
 
 
+#: The fair cap's limit, and its first-come twin's (test_fair_fleet).
+FAIR_LIMIT = 2
+
+
 def gpu_units(units: Any, *args: Any, **kwargs: Any) -> Any:
     """The weighted cap's weight of a call: its first argument, as given (0 fails the task)."""
     return units
@@ -305,6 +309,9 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     tier = Cap(f"{caps}tier", tier_limit, key=lambda tenant, *_, **__: tenant)
     # Weights (test_weights_fleet): a call takes as many units of GPU_LIMIT as its first argument.
     gpu = Cap(f"{caps}gpu", GPU_LIMIT, weight=gpu_units)
+    # Fair shares (test_fair_fleet): a cap served in turn across tenants, and its first-come twin.
+    fair = Cap(f"{caps}fair", FAIR_LIMIT, fair_by=lambda tenant, *_, **__: tenant)
+    fifo = Cap(f"{caps}fifo", FAIR_LIMIT)
 
     def run_body(
         task: Any, counters: Sequence[str], seconds: float, midway: Callable[[], None] | None = None, **extra: Any
@@ -363,6 +370,16 @@ def _define_tasks(app: Celery, prefix: str, recorder: Recorder, env: Mapping[str
     def weighed(self: Any, units: int, ms: int) -> dict[str, Any]:
         """Holds ``units`` units of the gpu cap for ``ms`` milliseconds."""
         return run_body(self, ["gpu"], ms / 1000)
+
+    @app.task(name="fleet.fair_call", cap=fair, **task_options)
+    def fair_call(self: Any, tenant: str, ms: int) -> dict[str, Any]:
+        """Holds the fair cap for ``ms`` milliseconds, for ``tenant``."""
+        return run_body(self, ["fair"], ms / 1000)
+
+    @app.task(name="fleet.fifo_call", cap=fifo, **task_options)
+    def fifo_call(self: Any, tenant: str, ms: int) -> dict[str, Any]:
+        """Holds the first-come twin of the fair cap for ``ms`` milliseconds, for ``tenant``."""
+        return run_body(self, ["fifo"], ms / 1000)
 
     @app.task(name="fleet.hold", cap=one, **task_options)
     def hold(self: Any, scope: str, *seconds_by_run: float, **kwargs: Any) -> dict[str, Any]:
