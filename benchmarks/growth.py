@@ -37,7 +37,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_caps.stores import SlotStore
-from celery_caps.stores.base import ParkingStore, ParkRequest
+from celery_caps.stores.base import ParkingStore, ParkOutcome, ParkRequest
 from celery_caps.stores.sql import SQLStore
 from celery_caps.sweep import sweep_store
 
@@ -96,6 +96,7 @@ def run(report: Report, options: Options) -> None:
             measure_waitlist(report, options, target, waitlist_sizes)
             measure_keys(report, options, target, key_sizes)
             measure_waiting_keys(report, options, target, WAITING_KEY_SIZES)
+            measure_waiting_fair_keys(report, options, target, WAITING_KEY_SIZES)
         except Exception as exc:  # the next store still runs
             report.note(f"growth benchmarks on {target.name} failed: {type(exc).__name__}: {str(exc)[:300]}")
             options.log(f"[growth] {target.name}: FAILED: {type(exc).__name__}: {str(exc)[:300]}")
@@ -561,5 +562,68 @@ def measure_waiting_keys(report: Report, options: Options, target: StoreTarget, 
                 versus=f"{smallest:,} keys waiting {median(recovery[smallest]):.3f} ms",
                 ratio=ratio(median(recovery[size]), median(recovery[smallest])),
                 repeats=recovery[size],
+            )
+        )
+
+
+def measure_waiting_fair_keys(report: Report, options: Options, target: StoreTarget, sizes: tuple[int, ...]) -> None:
+    """A hand-over on a fair cap (``Cap(fair_by=...)``, limit 1) while ``size`` fair keys wait in
+    its one list (a waiter each), in a store of its own: the release dispatches the head of the
+    list, its claim, and the park of a new waiter under one of the waiting keys (its round read
+    from the list's head and the key's last entry)."""
+    samples = 40 if options.quick else 150
+    hand_over: dict[int, list[float]] = {}
+    store = target.open("waiting_keys")
+    assert isinstance(store, ParkingStore)
+    try:
+        for size in sizes:
+            slot = f"{target.run_prefix}-fair{size}"
+            options.log(f"[growth] {target.name}: {size:,} fair keys waiting")
+            holder = uuid.uuid4().hex
+            if not store.acquire({slot: 1}, f"{slot}-holder", holder, "bench", 3600.0).granted:
+                raise RuntimeError(f"{slot} was not free")
+            for i in range(size):
+                request = ParkRequest(
+                    {slot: 1}, f"{slot}-w{i:07d}", uuid.uuid4().hex, "bench", 60.0, 1000.0 + i, 10**9,
+                    "bench.waiter", b"payload", fair_keys={slot: f"tenant{i:07d}"},
+                )  # fmt: skip
+                if store.park(request) is not ParkOutcome.PARKED:
+                    raise RuntimeError(f"{request.task_id} did not park")
+            target.vacuum_store("waiting_keys")
+            hand_over[size] = []
+            for i in range(-WARM_UP_CYCLES, samples):
+                start = time.perf_counter()
+                _deleted, woken = store.release_and_wake(holder, 3600.0)
+                [dispatched] = woken
+                store.claim(dispatched.task_id, dispatched.run_id, "bench", 3600.0)
+                request = ParkRequest(
+                    {slot: 1}, f"{slot}-late{i + WARM_UP_CYCLES:05d}", uuid.uuid4().hex, "bench", 60.0, 1e9 + i,
+                    10**9, "bench.waiter", b"payload", fair_keys={slot: f"tenant{(i * 7919) % size:07d}"},
+                )  # fmt: skip
+                store.park(request)
+                if i >= 0:
+                    hand_over[size].append(ms(time.perf_counter() - start))
+                holder = dispatched.run_id
+            options.log(
+                f"[growth] {target.name}: {size:,} fair keys waiting: hand-over cycle {median(hand_over[size]):.3f} ms"
+            )
+    finally:
+        store.close()
+    smallest, largest = sizes[0], sizes[-1]
+    for size in sizes:
+        last = size == largest and size != smallest
+        growth = ratio(median(hand_over[size]), median(hand_over[smallest]))
+        report.add(
+            Figure(
+                PART,
+                f"{target.name}: hand-over on a fair cap (release, dispatch, claim, park) p50, "
+                f"{size:,} fair keys waiting",
+                median(hand_over[size]),
+                "ms",
+                versus=f"{smallest:,} fair keys waiting {median(hand_over[smallest]):.3f} ms",
+                ratio=growth,
+                target="ratio <= 1.3" if last else "",
+                met=at_most(growth, 1.3) if last else None,
+                repeats=hand_over[size],
             )
         )
