@@ -734,16 +734,21 @@ class ParkingStore(SlotStore):
     it.  A light entry needs more than is free only when the slot is full: with every weight 1
     nothing changes.
 
-    **Fair shares.**  Each entry of a slot's list has a *round* there: 0 in a slot without fair
-    keys (a request's ``fair_keys`` names none of its slots).  An entry parked with fair key
-    ``k`` in slot ``E`` gets round ``max(head, last + 1)``, where ``head`` is the smallest round
-    of ``E``'s listed entries (waiting or dispatched) of this deployment, 0 if none, and
-    ``last`` is the largest round of those entries with key ``k`` (``head - 1`` if none).  A
-    slot's list is in the order (round, first deferral, park time, task id), so keys waiting
-    together are served in turn: a key with 1,000 entries takes one place per round like a key
-    with 3.  (Redis orders one round by park time, not first deferral: they differ only for a
-    task parked again.)  A hand-over walk that reads several lists merges them: each list's
-    own order is kept, and an entry on several lists is met at its first place among them.
+    **Fair shares.**  Each entry of a slot's list has a *round* there, and the list is in the
+    order (round, first deferral, park time, task id).  An entry parked with fair key ``k`` in
+    slot ``E`` (a request's ``fair_keys``) gets round ``max(head, last + 1)``, where ``head`` is
+    the smallest round of ``E``'s listed entries (waiting or dispatched) of this deployment, 0 if
+    none, and ``last`` the largest round of those with key ``k`` (``head - 1`` if none): keys
+    waiting together are served in turn, a key with 1,000 entries taking one place per round
+    like a key with 3.  An entry without a fair key there gets the largest round of those
+    entries, 0 if none: in a list without fair keys every round is 0 (first come, first served),
+    and after a deploy that removed ``fair_by`` new entries queue behind the rounds left.
+    (Redis orders one round by park time, not first deferral: they differ only for a task parked
+    again; and it puts entries without a fair key after every round, and, while its list holds
+    any, parks entries with one without a round, so that after a deploy that added ``fair_by``
+    the entries parked before are served first, as the other stores do by their round 0.)  A
+    hand-over walk that reads several lists merges them: each list's own order is kept, and an
+    entry on several lists is met at its first place among them.
     """
 
     #: How long a tombstone lasts, in seconds (:data:`DONE_SECONDS`; tests shorten it).

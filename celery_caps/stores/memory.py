@@ -73,11 +73,13 @@ class _WaiterEntry:
     deployment: str = ""
     #: Slot name -> the units it takes there, where above 1.
     weights: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    #: Slot name -> its fair key and round there, where it has a fair key.
-    fair: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
+    #: Slot name -> its fair key there, where it has one.
+    fair_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: Slot name -> its round in the slot's list, where not 0.
+    rounds: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def round_in(self, slot: str) -> int:
-        return self.fair[slot][1] if slot in self.fair else 0
+        return self.rounds.get(slot, 0)
 
     def place_in(self, slot: str) -> tuple[int, float, float, int]:
         """Its place in ``slot``'s list: round, first deferral, park time, then park order."""
@@ -219,21 +221,25 @@ class MemoryStore(ParkingStore):
                 task_id, tuple(sorted(slots)), request.payload, request.first_deferred_at, now, next(self._sequence),
                 request.task_name, dispatches=dispatches, deployment=self.deployment,
                 weights={slot: weight for slot, weight in request.weights.items() if weight > 1},
-                fair={slot: (key, self._round_for(slot, key)) for slot, key in request.fair_keys.items()},
+                fair_keys=dict(request.fair_keys),
+                rounds={slot: self._round_for(slot, request.fair_keys.get(slot)) for slot in slots},
             )  # fmt: skip
             return ParkOutcome.PARKED
 
-    def _round_for(self, slot: str, fair_key: str) -> int:
-        """The round of a new entry of ``fair_key`` in ``slot``'s list: the list's first round, or
-        the key's last one's next if later (see :class:`ParkingStore`, "Fair shares")."""
+    def _round_for(self, slot: str, fair_key: str | None) -> int:
+        """The round of a new entry in ``slot``'s list (see :class:`ParkingStore`, "Fair shares"):
+        of a ``fair_key``, the list's first round or its key's last round's next, whichever is
+        later; without one, the list's last round (0 in a list without fair keys)."""
         listed = [
             entry
             for entry in self._waiting.values()
             if entry.listed and entry.deployment == self.deployment and slot in entry.slots
         ]
+        if fair_key is None:
+            return max((entry.round_in(slot) for entry in listed), default=0)
         head = min((entry.round_in(slot) for entry in listed), default=0)
         last = max(
-            (entry.fair[slot][1] for entry in listed if entry.fair.get(slot, ("", 0))[0] == fair_key), default=head - 1
+            (entry.round_in(slot) for entry in listed if entry.fair_keys.get(slot) == fair_key), default=head - 1
         )
         return max(head, last + 1)
 
@@ -470,7 +476,7 @@ class MemoryStore(ParkingStore):
                     Waiter(
                         name, waiter.task_id, waiter.task_name, waiter.first_deferred_at, now - waiter.parked_at,
                         position, waiter.dispatch_run_id is not None, waiter.weights.get(name, 1),
-                        waiter.fair[name][0] if name in waiter.fair else None, waiter.round_in(name),
+                        waiter.fair_keys.get(name), waiter.round_in(name),
                     )
                     for position, waiter in enumerate(of_slot, 1)
                 )  # fmt: skip

@@ -117,6 +117,32 @@ def test_rounds_are_per_slot(store: SlotStore, prefix: str) -> None:
     ]
 
 
+def test_a_deploy_that_removes_fair_by_puts_the_new_tasks_after_those_waiting(store: SlotStore, prefix: str) -> None:
+    # Given: a fair cap's list: a's backlog in rounds 0-3, b in round 0
+    store = parking_store(store)
+    slot = f"{prefix}provider"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    queue(store, slot, prefix, ["a"] * 4 + ["b"])
+    # When: a deploy removes fair_by and new tasks park without a fair key
+    for number in range(2):
+        assert park_fair(store, {slot: 1}, f"{prefix}x{number}", 100.0 + number, {}) == ParkOutcome.PARKED
+    # Then: they wait after the tasks parked before (a task arriving without a key never goes ahead
+    # of a backlog's later rounds, which would wait for as long as new tasks kept coming)
+    assert served(store, slot, running, prefix, 7) == ["a", "b", "a", "a", "a", "x", "x"]
+
+
+def test_a_deploy_that_adds_fair_by_serves_the_tasks_parked_before_first(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    slot = f"{prefix}provider"
+    running = admit(store, {slot: 1}, f"{prefix}running")
+    for number in range(2):
+        assert park_fair(store, {slot: 1}, f"{prefix}old{number}", 1.0 + number, {}) == ParkOutcome.PARKED
+    # When: a deploy adds fair_by and a flood of one key arrives
+    queue(store, slot, prefix, ["a"] * 4 + ["b"], first=100.0)
+    # Then: the tasks parked before it start first: the flood's rounds do not pass them
+    assert served(store, slot, running, prefix, 2) == ["old", "old"]
+
+
 @pytest.mark.parametrize(
     ("fair_keys", "expected"),
     [
