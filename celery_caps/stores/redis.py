@@ -52,11 +52,13 @@ key                            type    content
                                        by age and count on every write
 ``P:slot:{E}:waiters``         ZSET    the slot's waiting list (park strategy), one
                                        member per entry, waiting or dispatched: score
-                                       = first-deferral time, member = park time (Redis
-                                       ``TIME`` as fixed-width text) + a signature of
-                                       the task's slot names and deployment + task id,
-                                       so the set's own order is the waiting order
-                                       (first deferral, then park time)
+                                       = first-deferral time, or for an entry with a
+                                       fair key in the slot its round there less 2^40
+                                       (negative: below every time), member = park time
+                                       (Redis ``TIME`` as fixed-width text) + a signature
+                                       of the task's slot names and deployment + task
+                                       id, so the set's own order is the waiting order
+                                       (round, first deferral, then park time)
 ``P:waiting``                  HASH    task id -> MessagePack record of an entry: first
                                        deferral, park time, task name, dispatch run id
                                        and deadline (empty while waiting), how many
@@ -64,7 +66,10 @@ key                            type    content
                                        names it waits for (no limits: a waiter is
                                        dispatched against the limits in ``P:limits``);
                                        task id + NUL + ``weights`` -> its weights, as a
-                                       run's (no field for weight 1 everywhere)
+                                       run's (no field for weight 1 everywhere);
+                                       task id + NUL + ``fair`` -> MessagePack ``{slot:
+                                       [fair key, round]}`` of the slots where it has a
+                                       fair key (no field for none)
 ``P:payloads``                 HASH    task id -> its message, opaque bytes (kept apart
                                        so that walking a list never reads payloads)
 ``P:waitlists``                SET     slot names whose waiting list is not empty
@@ -82,6 +87,10 @@ key                            type    content
 ``P:slot:{E}:heavy:D``                 ``""`` (``D``) whose weight in the slot is above 1,
                                        in waiting order (the waiters member, NUL, the
                                        weight): the oldest holds the room it needs
+``P:slot:{E}:fair``            HASH    fair key -> ``"<count> <max round>"`` of the
+``P:slot:{E}:fair:D``                  slot's listed entries (waiting or dispatched) of
+                                       deployment ``""`` (``D``) with that fair key; a
+                                       field goes at count 0
 ``P:done:<task id>``           STRING  a tombstone: MessagePack (the claimed dispatch's
                                        run id, the holder that claimed it, the count
                                        of dispatches), with a TTL of ``done_seconds``
@@ -110,7 +119,24 @@ its two keys): without, room is counted as without weights; with, it reads the w
 slot's weighted holders once; an entry that does not fit a slot closes that slot for the
 entries after it in the walk (a task id holding the slot already still passes: it counts once).
 A weighted run's leaving recomputes its task's weight in each of its slots from the task's
-runs that remain.  ``park`` of a task id listed
+runs that remain.
+
+Fair shares (:class:`~celery_caps.stores.base.ParkingStore`, "Fair shares"): ``park`` of an
+entry with a fair key ``k`` in slot ``E`` (``PARKED`` only) reads the handle's list of ``E`` at
+both ends (whether an entry without a fair key is listed: a time score, the list's last; then
+the entry parks without a round, first come, so that the entries parked before a deploy added
+``fair_by`` are not passed by the rounds; else the lowest fair score, the head) and ``k``'s
+field of ``P:slot:{E}:fair[:D]``, then scores the member
+``round - 2^40`` in ``E``'s lists, counts it in that field and keeps ``[k, round]`` beside the
+record; an entry leaving the lists (claimed, forgotten) takes its count off.  A request without
+fair keys costs nothing more.  Every walk goes by (score, member) as before, so within a round
+Redis orders by park time, not first deferral (they differ only for a task parked again), and a
+walk merging lists meets fair entries before entries without a fair key.  Whatever reads a score
+as a first deferral (``readmit``, ``recover``'s ``readmit_before``) reads a fair entry's from its
+record.  A handle without a deployment, on a store whose entries have some, passes over the other
+deployments' entries at the ends of the list to find the head.  Entries parked before fair shares
+existed have no fair key.  Entries without a fair key in a slot whose list has rounds (after a
+deploy removed ``fair_by``) keep their time score: after every round, first come.  ``park`` of a task id listed
 already changes nothing: the entry answers for it if it has the same task name
 (whatever slots the copy asks for now), else the id is in use by another task.
 
@@ -436,6 +462,10 @@ class RedisStore(ParkingStore):
         """The key of one slot's waiting list (the same hash tag as its lease keys)."""
         return self._slot_key_base(slot) + b"waiters"
 
+    def fair_hash_key(self, slot: str, deployment: str = "") -> bytes:
+        """The key of one slot's fair keys of a deployment's entries (``P:slot:{E}:fair[:D]``)."""
+        return self._slot_key_base(slot) + (b"fair:" + _encode(deployment) if deployment else b"fair")
+
     @property
     def waitlist_index_keys(self) -> tuple[bytes, ...]:
         """The store-wide keys of the waiting list: records, payloads, waiting slot names, dispatches."""
@@ -743,9 +773,11 @@ class RedisStore(ParkingStore):
             str(int(request.max_waiters)),
             _encode(self.deployment),
         ]
+        fair_keys = request.fair_keys
         for slot in sorted(request.slots):
             keys.extend((*self.slot_keys(slot), self.waiters_key(slot)))
-            args.extend(self._slot_args(slot, request.slots, request.weights))
+            # The slot's fair key ('' for none: a fair key is never empty).
+            args.extend((*self._slot_args(slot, request.slots, request.weights), _encode(fair_keys.get(slot, ""))))
         return _PARK_OUTCOMES[bytes(self._run("park", self._park, keys, args))]
 
     @staticmethod
@@ -864,7 +896,7 @@ class RedisStore(ParkingStore):
         args: list[bytes | str] = [self._prefix] if slot is None else [self._prefix, _encode(slot)]
         reply = self._run("waiters", self._waiters, self._waitlist_keys, args)
         by_slot: dict[str, list[Waiter]] = {}
-        for i in range(0, len(reply), 7):
+        for i in range(0, len(reply), 9):
             name = _text(reply[i])
             of_slot = by_slot.setdefault(name, [])
             of_slot.append(
@@ -877,6 +909,8 @@ class RedisStore(ParkingStore):
                     len(of_slot) + 1,
                     reply[i + 5] == b"1",
                     int(reply[i + 6]),
+                    _text(reply[i + 7]) or None,
+                    int(reply[i + 8]),
                 )
             )
         return [waiter for name in sorted(by_slot) for waiter in by_slot[name]]

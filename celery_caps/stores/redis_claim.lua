@@ -26,13 +26,13 @@ if run ~= nil then
   local expiry = redis.call('ZSCORE', expiry_key, run_id)
   live = expiry ~= false and tonumber(expiry) > now
 end
-local record, record_weights = read_waiter(keys.waiting, task_id)
+local record, record_weights, record_fair = read_waiter(keys.waiting, task_id)
 
 -- The entry leaves the list; a tombstone stays if other copies may be on their way.
 -- (`tombstone`: always leave one; else only if the entry was dispatched more than once.)
 local function settle(tombstone)
-  settle_waiter(prefix, keys, task_id, record, record_weights, tombstone or record[RECORD_DISPATCHES] > 1,
-    done_milliseconds, holder)
+  settle_waiter(prefix, keys, task_id, record, record_weights, record_fair,
+    tombstone or record[RECORD_DISPATCHES] > 1, done_milliseconds, holder)
 end
 
 -- Whether a slot of the run holds more units than its limit now (the operator's, else its

@@ -20,13 +20,13 @@ if done_key(prefix, task_id) ~= KEYS[8] or task_key(prefix, task_id) ~= KEYS[9] 
 end
 
 local reply = { 0 }
-local record, weights = read_waiter(keys.waiting, task_id)
+local record, weights, fair = read_waiter(keys.waiting, task_id)
 if record ~= nil then
   reply[1] = 1
   if is_waiting(record) then
-    remove_waiter(prefix, keys, task_id, record, weights)
+    remove_waiter(prefix, keys, task_id, record, weights, fair)
   else
-    settle_waiter(prefix, keys, task_id, record, weights, true, done_milliseconds, '')
+    settle_waiter(prefix, keys, task_id, record, weights, fair, true, done_milliseconds, '')
   end
 end
 -- The task's run set makes this cost its own runs, never a scan.

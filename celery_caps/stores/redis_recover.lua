@@ -154,7 +154,8 @@ if readmit_before ~= '' then
       overdue[#overdue + 1] = entry
     end
   end
-  readmit_members(prefix, runs_key, expiry_key, keys, overdue, now, lease_seconds, next_run_id, lists, woken)
+  readmit_members(prefix, runs_key, expiry_key, keys, overdue, now, lease_seconds, next_run_id, lists, woken,
+    tonumber(readmit_before))
 end
 
 -- Whether a newcomer fits `slot` now, by its limit in the limits hash (without one: no).  Only

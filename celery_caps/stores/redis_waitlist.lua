@@ -3,12 +3,16 @@
 --
 -- Keys (the layout is described in redis.py's module docstring):
 --   P:slot:{E}:waiters  ZSET  one member per task waiting for the slot (dispatched or
---                             not): score = first-deferral time, member = park time
---                             (fixed-width text of Redis TIME), the signature of the
---                             task's slot names and deployment (below), then the task id;
---                             so the set's own order (score, then member bytes) is the
---                             waiting order: first deferral, then park time (unique per park)
---   P:waiting           HASH  task id -> MessagePack record (below), waiting or dispatched
+--                             not): score = first-deferral time, or for an entry with a fair
+--                             key in the slot its round there less FAIR_OFFSET (negative,
+--                             below every time); member = park time (fixed-width text of
+--                             Redis TIME), the signature of the task's slot names and
+--                             deployment (below), then the task id; so the set's own order
+--                             (score, then member bytes) is the waiting order: round (fair
+--                             entries first), first deferral, then park time (unique per park)
+--   P:waiting           HASH  task id -> MessagePack record (below), waiting or dispatched;
+--                             task id NUL 'weights' -> its weights (see weights_field);
+--                             task id NUL 'fair' -> its fair keys and rounds (see fair_field)
 --   P:payloads          HASH  task id -> its message (opaque bytes)
 --   P:waitlists         SET   the slot names whose waiters set is not empty
 --   P:dispatches        ZSET  dispatched task id -> dispatch deadline
@@ -20,6 +24,9 @@
 --                             (which holds every deployment's)
 --   P:slot:{E}:heavy[:<deployment>]  ZSET  the waiting entries of weight above 1 in the slot (see
 --                             heavy_key in redis_common.lua)
+--   P:slot:{E}:fair[:<deployment>]  HASH  fair key -> '<count> <max round>' of the listed entries
+--                             (waiting or dispatched) of that deployment ('' without the suffix)
+--                             with that fair key in the slot (see fair_hash_key)
 --   P:done:<task id>    STRING  a tombstone: MessagePack { the claimed (or last) dispatch's run id,
 --                             the holder that claimed it ('' if forgotten), the entry's count of
 --                             dispatches }, expiring (PEXPIRE) after the store's done_seconds
@@ -80,18 +87,55 @@ local function deployment_waiters_key(prefix, slot, deployment)
   return slot_key(prefix, slot, 'waiters:' .. deployment)
 end
 
--- A record as written by park, with its slot names from RECORD_SLOTS on, and the entry's
--- weights (nil: 1 in every slot), kept beside it under weights_field(task id) and read with it
--- in one command.  A record may also
+-- Fair shares (ParkingStore's "Fair shares"): an entry parked with a fair key k in slot E has a
+-- round there, max(head, last + 1) (head: the smallest round of E's listed entries of the
+-- handle's deployment, 0 if none; last: the largest round of those with key k, none: head), and
+-- its member's score in E's lists is round - FAIR_OFFSET: negative, so below every first-deferral
+-- time (>= 0), and a list's fair entries come first, by round (then by member: park time).  An
+-- entry without a fair key in E has round 0 there and its first-deferral time as score, as
+-- before; so a score below 0 is a round, never a time: whatever reads a score as a first deferral
+-- reads a fair entry's from its record instead.  (Rounds stay far below 2^40: one per park.)
+local FAIR_OFFSET = 2 ^ 40
+
+-- An entry's fair keys live beside its record, as its weights do: task id NUL 'fair' ->
+-- MessagePack { slot name = { fair key, round } } of the slots where it has one; absent for an
+-- entry without any (and for entries parked before fair shares existed).
+local function fair_field(task_id)
+  return task_id .. '\0fair'
+end
+
+-- P:slot:{E}:fair (deployment ''), P:slot:{E}:fair:<deployment>: fair key -> '<count> <max
+-- round>' of the slot's listed entries of that deployment with that key (waiting or dispatched):
+-- a park reads a key's last round here in O(1).  +1 (and the max) at park, -1 where the entry
+-- leaves the slot's list (remove_waiter), the field deleted at 0.  The max is not lowered when
+-- the entry that had it leaves first: a stale max only places the key's next entry later.
+local function fair_hash_key(prefix, slot, deployment)
+  return slot_key(prefix, slot, deployment == '' and 'fair' or 'fair:' .. deployment)
+end
+
+local function fair_score(round)
+  return score_text(round - FAIR_OFFSET)
+end
+
+-- The count and max round of a fair hash value.
+local function fair_counts(value)
+  local count, top = string.match(value, '^(%d+) (%d+)$')
+  return tonumber(count), tonumber(top)
+end
+
+-- A record as written by park, with its slot names from RECORD_SLOTS on, the entry's weights
+-- (nil: 1 in every slot), kept beside it under weights_field(task id), and its fair keys (nil:
+-- none), kept under fair_field(task id), all three read in one command.  A record may also
 -- hold a number after each name (the limit it parked with, as records parked by releases of
 -- the store that kept limits do): those are dropped here, so every reader sees names only,
 -- and the record is written back without them at its next dispatch.
 local function read_waiter(waiting_key, task_id)
-  local found = redis.call('HMGET', waiting_key, task_id, weights_field(task_id))
+  local found = redis.call('HMGET', waiting_key, task_id, weights_field(task_id), fair_field(task_id))
   local packed, weights = found[1], unpack_weights(found[2])
   if not packed then
     return nil
   end
+  local fair = found[3] and cmsgpack.unpack(found[3]) or nil
   local record = cmsgpack.unpack(packed)
   if type(record[RECORD_SLOTS + 1]) == 'number' then
     local names = {}
@@ -105,7 +149,7 @@ local function read_waiter(waiting_key, task_id)
       record[#record + 1] = name
     end
   end
-  return record, weights
+  return record, weights, fair
 end
 
 local function write_waiter(waiting_key, task_id, record)
@@ -218,6 +262,78 @@ local function entry_deployment(prefix, task_id)
   return redis.call('HGET', deployments_key(prefix), task_id) or ''
 end
 
+-- The score of the first entry (the last one, with `reverse`) of the list at `key` that `test`
+-- passes (nil: every entry; see handle_lists), or nil if none does.  Without a test it reads one
+-- member; with one, it passes over the entries of other deployments.
+local function first_listed_score(key, test, reverse)
+  local chunk = test and WALK_CHUNK or 1
+  local rank = 0
+  while true do
+    local found = redis.call(reverse and 'ZREVRANGE' or 'ZRANGE', key, rank, rank + chunk - 1, 'WITHSCORES')
+    for i = 1, #found, 2 do
+      if test == nil or test(waiter_task_id(found[i]), found[i]) then
+        return tonumber(found[i + 1])
+      end
+    end
+    if #found < 2 * chunk then
+      return nil
+    end
+    rank = rank + chunk
+  end
+end
+
+-- The head of the list at `key` (the handle's list of a slot, entries of other deployments
+-- failing `test`; the caller found no entry without a fair key in it): the smallest round of its
+-- entries, 0 if it has none.  One read of O(log n) (with a test: plus the other deployments'
+-- entries at the head).
+local function fair_head(key, test)
+  local lowest = first_listed_score(key, test, false)
+  if lowest == nil or lowest >= 0 then
+    return 0
+  end
+  return lowest + FAIR_OFFSET
+end
+
+-- The round in `slot` of a new entry of `deployment` with fair key `fair_key` (`list`: the
+-- handle's list of the slot, `test` its test, as handle_lists gives them), counted in the slot's
+-- fair hash at once (the caller lists the entry with it).
+local function take_fair_round(prefix, slot, deployment, list, test, fair_key)
+  local key = fair_hash_key(prefix, slot, deployment)
+  local round = fair_head(list, test)
+  local count = 0
+  local kept = redis.call('HGET', key, fair_key)
+  if kept then
+    local top
+    count, top = fair_counts(kept)
+    round = math.max(round, top + 1)
+  end
+  redis.call('HSET', key, fair_key, string.format('%d %d', count + 1, round))
+  return round
+end
+
+-- An entry of `deployment` with fair keys `fair` (nil: none; see fair_field) leaves the lists of
+-- its slots (`record`'s): each key's count goes down, its field deleted at 0.
+local function leave_fair(prefix, record, fair, deployment)
+  if fair == nil then
+    return
+  end
+  for i = RECORD_SLOTS, #record do
+    local kept = fair[record[i]]
+    if kept then
+      local key = fair_hash_key(prefix, record[i], deployment)
+      local value = redis.call('HGET', key, kept[1])
+      if value then
+        local count, top = fair_counts(value)
+        if count <= 1 then
+          redis.call('HDEL', key, kept[1])
+        else
+          redis.call('HSET', key, kept[1], string.format('%d %d', count - 1, top))
+        end
+      end
+    end
+  end
+end
+
 -- Put a waiting entry of `deployment` in (`add`), or take it out of, the heavy entries of each
 -- slot where its weight is above 1 (see heavy_key): an entry is there while it waits, neither
 -- dispatched nor settled.  Nothing to do for an entry of weight 1 everywhere (`weights` nil).
@@ -240,14 +356,16 @@ local function mark_heavy(prefix, task_id, record, weights, deployment, add)
 end
 
 -- Take an entry off the waiting list: its member in each slot's list (and its deployment's),
--- its record and weights (and its place among the heavy entries), its payload, its dispatch,
--- its deployment.
-local function remove_waiter(prefix, keys, task_id, record, weights)
+-- its record, weights and fair keys (and its place among the heavy entries, its counts in the
+-- fair hashes), its payload, its dispatch, its deployment.  The one place where an entry leaves
+-- the slots' lists.
+local function remove_waiter(prefix, keys, task_id, record, weights, fair)
   local member = waiter_member(record, task_id)
   local deployment = redis.call('HGET', deployments_key(prefix), task_id)
   if is_waiting(record) then
     mark_heavy(prefix, task_id, record, weights, deployment or '', false)
   end
+  leave_fair(prefix, record, fair, deployment or '')
   for i = RECORD_SLOTS, #record do
     local waiters_key = slot_key(prefix, record[i], 'waiters')
     redis.call('ZREM', waiters_key, member)
@@ -258,7 +376,7 @@ local function remove_waiter(prefix, keys, task_id, record, weights)
       redis.call('SREM', keys.waitlists, record[i])
     end
   end
-  redis.call('HDEL', keys.waiting, task_id, weights_field(task_id))
+  redis.call('HDEL', keys.waiting, task_id, weights_field(task_id), fair_field(task_id))
   redis.call('HDEL', keys.payloads, task_id)
   redis.call('ZREM', keys.dispatches, task_id)
   if deployment then
@@ -270,8 +388,8 @@ end
 -- `tombstone`, a record of it stays for `done_milliseconds`, so that copies of its dispatches
 -- still on their way end rather than run the task again; it expires by itself, and nothing
 -- ever walks it.
-local function settle_waiter(prefix, keys, task_id, record, weights, tombstone, done_milliseconds, claimer)
-  remove_waiter(prefix, keys, task_id, record, weights)
+local function settle_waiter(prefix, keys, task_id, record, weights, fair, tombstone, done_milliseconds, claimer)
+  remove_waiter(prefix, keys, task_id, record, weights, fair)
   if tombstone and done_milliseconds > 0 then
     local done = cmsgpack.pack({ record[RECORD_RUN_ID], claimer, record[RECORD_DISPATCHES] })
     redis.call('SET', done_key(prefix, task_id), done, 'PX', done_milliseconds)
@@ -345,16 +463,25 @@ end
 
 -- Dispatch without leases every waiting entry among `members` (waiters members of the
 -- handle's `lists` (see handle_lists), any slots', a task's member the same in each of its
--- lists) that their test passes, oldest first.
+-- lists) that their test passes, oldest first (by first deferral, then park time), and first
+-- deferred before `before` if given (a number: the members of a fair entry were collected
+-- whatever their time, see collect_members).
 local function readmit_members(prefix, runs_key, expiry_key, keys, members, now, lease_seconds, next_run_id, lists,
-    woken)
+    woken, before)
   local entries, seen = {}, {}
   for _, entry in ipairs(members) do
     local task_id = waiter_task_id(entry.member)
     if not seen[task_id] then
       seen[task_id] = true
       if lists.test == nil or lists.test(task_id, entry.member) then
-        entries[#entries + 1] = entry
+        if entry.score < 0 then
+          -- A round, not a time: the first deferral is the record's.
+          local record = read_waiter(keys.waiting, task_id)
+          entry.score = record and tonumber(record[RECORD_FIRST_DEFERRAL])
+        end
+        if entry.score ~= nil and (before == nil or entry.score < before) then
+          entries[#entries + 1] = entry
+        end
       end
     end
   end
@@ -370,7 +497,8 @@ local function readmit_members(prefix, runs_key, expiry_key, keys, members, now,
 end
 
 -- The members (with their scores) of the waiting list at `key` whose score is below `upper`
--- (a ZRANGEBYSCORE bound), appended to `members`.
+-- (a ZRANGEBYSCORE bound), appended to `members`: every fair entry's among them (a negative
+-- score, a round: see FAIR_OFFSET), whose time readmit_members reads from its record.
 local function collect_members(key, upper, members)
   local found = redis.call('ZRANGEBYSCORE', key, '-inf', upper, 'WITHSCORES')
   for i = 1, #found, 2 do
@@ -378,7 +506,9 @@ local function collect_members(key, upper, members)
   end
 end
 
--- Dispatch with leases, oldest first, every waiting entry in the handle's waiting `lists` of
+-- Dispatch with leases, in the lists' order (each list's own: round, then first deferral, then
+-- park time; the lists merged by score then member, an entry met at its first place among them),
+-- every waiting entry in the handle's waiting `lists` of
 -- `slots` (see handle_lists) that their test passes and whose every slot has room now, by the
 -- slot's limit in the limits hash (a slot without one there counts as full), each at its weight
 -- there.  A waiter that does not fit is passed over and keeps its place, and the slots it does

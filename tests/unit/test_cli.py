@@ -204,6 +204,7 @@ def test_status_lists_every_cap_and_slot_with_limits_holders_expired_and_keys(
         "expired": 0,
         "waiters": 0,
         "oldest_waiter_seconds": None,
+        "fair_keys_waiting": 0,
     }
     assert (slots[f"{prefix}tenant:old"]["holders"], slots[f"{prefix}tenant:old"]["expired"]) == (0, 1)
 
