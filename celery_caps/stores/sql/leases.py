@@ -33,12 +33,13 @@ from .dialects import READ_COMMITTED, READ_ONLY_OPTION, create_engine, dialect_o
 from .schema import (
     HISTORY_TABLE_NAME,
     MAX_TASK_NAME_LENGTH,
+    OLD_INDEXES,
     TABLE_NAME,
     WAITERS_TABLE_NAME,
     concurrency_slots_history,
     metadata,
 )
-from .statements import ADD_COLUMN, Statements, admission_params
+from .statements import ADD_COLUMN, DROP_INDEX, Statements, admission_params
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,16 @@ BATCH = 500
 #: Expired rows the sweep deletes per transaction.
 SWEEP_BATCH = 1000
 _SCHEMA_ATTEMPTS = 5
-#: Columns added to tables after their first release (table, column, its definition as DDL): a
-#: store created before gets them at start, with the indexes that hold them.
-ADDED_COLUMNS = (
+#: Columns added to tables after their first release (table, column, its definition as DDL; None:
+#: its type as the table has it, per database, and NULL): a store created before gets them at
+#: start, with the indexes that hold them.
+ADDED_COLUMNS: tuple[tuple[str, str, str | None], ...] = (
     (HISTORY_TABLE_NAME, "slot_limit", "INTEGER NULL"),
     (TABLE_NAME, "weight", "INTEGER NOT NULL DEFAULT 1"),
     (WAITERS_TABLE_NAME, "weight", "INTEGER NOT NULL DEFAULT 1"),
+    # (VARBINARY on MySQL, as every name column: see schema._exact_text.)
+    (WAITERS_TABLE_NAME, "fair_key", None),
+    (WAITERS_TABLE_NAME, "fair_round", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 _T = TypeVar("_T")
@@ -172,15 +177,17 @@ class SQLLeaseStore(SlotStore):
                 if missing:
                     with self._engine.begin() as connection:
                         for table, column, definition in missing:
+                            definition = definition or self._nullable_column(table, column)
                             connection.exec_driver_sql(
                                 ADD_COLUMN.format(table=table, column=column, definition=definition)
                             )
                         # The indexes that came with the columns (an index of a table created
-                        # before is never created by create_all).
+                        # before is never created by create_all), and without those they replace.
                         for table in sorted({table for table, _column, _definition in missing}):
                             for index in sorted(metadata.tables[table].indexes, key=lambda index: str(index.name)):
                                 if self._creates(index):
                                     index.create(connection, checkfirst=True)
+                            self._drop_old_indexes(connection, table)
                 return
             except sa.exc.SQLAlchemyError as exc:
                 # Several workers may race to create it (SQLite may even answer "database is
@@ -198,7 +205,24 @@ class SQLLeaseStore(SlotStore):
                     raise self.store_error("creating the schema", exc) from exc
                 time.sleep(0.05 * attempt)
 
-    def _missing_columns(self) -> list[tuple[str, str, str]]:
+    def _nullable_column(self, table: str, column: str) -> str:
+        """The DDL of ``table``'s nullable ``column`` as :data:`metadata` defines it, for this
+        store's database."""
+        return f"{metadata.tables[table].c[column].type.compile(dialect=self._engine.dialect)} NULL"
+
+    def _drop_old_indexes(self, connection: Connection, table: str) -> None:
+        """Drop the indexes of an earlier schema that ``table`` still has (:data:`.OLD_INDEXES`):
+        their replacements are there, and each costs every write of the table."""
+        old = OLD_INDEXES.get(table, ())
+        if not old:
+            return
+        present = {index["name"] for index in sa.inspect(connection).get_indexes(table)}
+        template = DROP_INDEX.get(self.dialect.name, DROP_INDEX[""])
+        for name in old:
+            if name in present:
+                connection.exec_driver_sql(template.format(index=name, table=table))
+
+    def _missing_columns(self) -> list[tuple[str, str, str | None]]:
         """The columns of :data:`ADDED_COLUMNS` that the database's tables lack (one read of the
         tables' columns where the database allows it)."""
         tables = sorted({table for table, _column, _definition in ADDED_COLUMNS})

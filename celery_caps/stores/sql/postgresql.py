@@ -524,6 +524,8 @@ class PostgreSQLStore(SQLStore):
                 "max_waiters": request.max_waiters,
                 "deployment": self.deployment,
                 "weights": [request.weights.get(slot, 1) for slot in ordered],
+                # (NULL without fair keys: a list of NULLs only has no type for the driver.)
+                "fair_keys": [request.fair_keys.get(slot) for slot in ordered] if request.fair_keys else None,
             },
         )
         return ParkOutcome(rows[0][0])

@@ -154,7 +154,14 @@ END $$
 -- p_max_waiters entries, 'waitlist_full'; else the task's tombstone (if any) gives way to its
 -- waiting entry, which keeps its count of dispatches, one row per slot at the store's clock,
 -- without a limit (its slots' limits are their sentinels'), of deployment p_deployment, which
--- alone dispatches it ('parked').
+-- alone dispatches it ('parked').  p_fair_keys: its fair key in each slot of p_slots (NULL: none
+-- there; the array NULL: none anywhere); in a slot where it has one, its round is the list's first
+-- (of its listed entries of p_deployment) or, if later, the one after the key's last there (see
+-- ParkingStore, "Fair shares"): two probes, each the first row of an index in order.  Elsewhere
+-- its round is the list's last (0 in a list without fair keys), so that after a deploy that
+-- removed fair_by new entries queue behind the rounds left: the last row of the list's part of
+-- ix_concurrency_waiters_place, from the index alone (a tombstone's round counts too: it only
+-- places the entry later than the listed ones' last round, never before one).
 --
 -- The hot-path functions below plan each statement once per session: these are key lookups whose
 -- best plan never depends on the values, and re-planning a dozen of them costs more than running
@@ -165,7 +172,8 @@ END $$
 CREATE OR REPLACE FUNCTION concurrency_slots_park(
     p_slots text[], p_limits integer[], p_task_id text, p_run_id text, p_holder text,
     p_lease_seconds double precision, p_task_name text, p_payload bytea,
-    p_first_deferred_at double precision, p_max_waiters integer, p_deployment text, p_weights integer[] DEFAULT NULL
+    p_first_deferred_at double precision, p_max_waiters integer, p_deployment text, p_weights integer[] DEFAULT NULL,
+    p_fair_keys text[] DEFAULT NULL
 ) RETURNS text LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
 SET enable_sort = off SET jit = off AS $$
@@ -203,11 +211,24 @@ BEGIN
         DELETE FROM concurrency_waiters w WHERE w.task_id = p_task_id AND w.done_until IS NOT NULL
         RETURNING w.dispatches)
     SELECT coalesce(max(gone.dispatches), 0) INTO v_dispatches FROM gone;
+    -- (The rounds read the snapshot of before this statement: never the rows it inserts.
+    -- greatest() ignores a NULL: a key without an entry there takes the first round.)
     INSERT INTO concurrency_waiters
-        (slot, task_id, slot_count, first_deferred_at, parked_at, task_name, deployment, payload, dispatches, weight)
+        (slot, task_id, slot_count, first_deferred_at, parked_at, task_name, deployment, payload, dispatches, weight,
+         fair_key, fair_round)
     SELECT u.slot, p_task_id, cardinality(p_slots), p_first_deferred_at, v_now, p_task_name, p_deployment, p_payload,
-        v_dispatches, u.weight
-    FROM unnest(p_slots, p_weights) AS u(slot, weight);
+        v_dispatches, u.weight, u.fair_key,
+        CASE WHEN u.fair_key IS NULL THEN coalesce((SELECT l.fair_round FROM concurrency_waiters l
+            WHERE l.slot = u.slot AND l.deployment = p_deployment ORDER BY l.fair_round DESC LIMIT 1), 0)
+        ELSE greatest(
+            coalesce((SELECT h.fair_round FROM concurrency_waiters h
+                WHERE h.slot = u.slot AND h.deployment = p_deployment AND h.done_until IS NULL
+                ORDER BY h.fair_round LIMIT 1), 0),
+            (SELECT k.fair_round + 1 FROM concurrency_waiters k
+                WHERE k.slot = u.slot AND k.deployment = p_deployment AND k.fair_key = u.fair_key
+                    AND k.fair_key IS NOT NULL AND k.done_until IS NULL
+                ORDER BY k.fair_round DESC LIMIT 1)) END
+    FROM unnest(p_slots, p_weights, p_fair_keys) AS u(slot, weight, fair_key);
     -- The lists' counts last: only parks add to them, under the sentinels' locks.
     INSERT INTO concurrency_waitlists (slot, entries) SELECT u.slot, 1 FROM unnest(p_slots) AS u(slot)
     ON CONFLICT (slot) DO UPDATE SET entries = concurrency_waitlists.entries + 1;
@@ -219,10 +240,13 @@ END $$
 -- deleted, or expired) can now admit, in the caller's transaction: the one waiting-list walk of
 -- this store (the portable store's _wake_after_release and _dispatch, which PostgreSQL never
 -- runs).  Lock the slots' sentinels, then (SKIP LOCKED: no lock-order deadlock) those of the
--- other slots their waiters need; walk the waiters of p_deployment of the locked slots in their
--- order (first deferral, park time, task id), streaming, and dispatch each that waits for one of
--- p_released and whose every slot is locked and has room (and still waits: a readmit or a forget
--- may have taken it since the walk began); stop once every slot seen is full.  Room is counted
+-- other slots their waiters need; walk the waiters of p_deployment of the released slots in
+-- their lists' order (round, first deferral, park time, task id: the lists merged, each one's own
+-- order kept; a waiter of several slots is considered once, at its first place, its rows of the
+-- other slots read then), streaming, and dispatch each whose every slot is locked and has room
+-- (and still waits: a readmit or a forget may have taken it since the walk began); stop once
+-- every released slot is full.  (Only the released slots' lists: a list of another slot, full,
+-- could hold any number of rows of earlier rounds.)  Room is counted
 -- against each slot's limit as its sentinel holds it now (read as the sentinels are locked), never
 -- a limit a waiter was parked under; a slot without a limit counts as full.  A waiter has room in a
 -- slot when the units its live holders take (each task id once, at its largest weight) leave its
@@ -240,7 +264,7 @@ CREATE OR REPLACE FUNCTION concurrency_slots_wake(
 SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
 SET enable_sort = off SET jit = off AS $$
 DECLARE
-    -- Waiter rows read between checks that some slot seen still has room.
+    -- Waiter rows read between checks that some released slot still has room.
     c_batch constant integer := 64;
     v_full text[] := '{}';
     v_found_full text[];
@@ -257,8 +281,6 @@ DECLARE
     v_more_slots text[];
     v_more_values integer[];
     v_now double precision;
-    v_seen_slots text[] := '{}';
-    v_seen_limits integer[] := '{}';
     v_task text := NULL;
     v_slots text[];
     v_limits integer[];
@@ -266,6 +288,12 @@ DECLARE
     v_heavy boolean;
     v_count integer;
     v_name text;
+    -- Waiters of several slots considered (their rows read apart): passed by at their other places.
+    v_met text[] := '{}';
+    v_consider boolean;
+    l_slot text;
+    l_limit integer;
+    l_weight integer;
     v_waiters refcursor;
     v_read integer := 0;
     v_check_at integer := c_batch;
@@ -287,7 +315,7 @@ BEGIN
     FOREACH v_released_slot IN ARRAY v_released LOOP
         PERFORM 1 FROM concurrency_waiters x
         WHERE x.slot = v_released_slot AND x.deployment = p_deployment AND x.dispatch_run_id IS NULL
-        ORDER BY x.first_deferred_at, x.parked_at, x.task_id LIMIT 1;
+        ORDER BY x.fair_round, x.first_deferred_at, x.parked_at, x.task_id LIMIT 1;
         v_waiting := FOUND;
         EXIT WHEN v_waiting;
     END LOOP;
@@ -323,33 +351,59 @@ BEGIN
         SELECT concurrency_slots_limit(u.slot, u.slot_limit)
         FROM unnest(v_limit_slots, v_limit_values) WITH ORDINALITY AS u(slot, slot_limit, n) ORDER BY u.n);
     v_now := concurrency_slots_now();
-    -- One waiter's rows are adjacent in this order, read as they come (a long list is not read
-    -- to its end); after the last row FETCH sets the f_ variables to NULL, which closes the last
-    -- waiter.  (A tombstone keeps its dispatch's run id: never read here.)  (One slot: an
-    -- equality, so the list's index streams it in order, unsorted.)
-    IF cardinality(v_locked) = 1 THEN
+    -- One waiter's rows of one round are adjacent in this order (in lists without fair keys,
+    -- all of its rows of these lists), read as they come (a long list is not read to its end);
+    -- after the last row FETCH sets the f_ variables to NULL, which closes the last waiter.  (A tombstone keeps
+    -- its dispatch's run id: never read here.)  (One slot: an equality, so the list's index
+    -- streams it in order, unsorted.)
+    IF cardinality(v_released) = 1 THEN
         OPEN v_waiters FOR
             SELECT w.task_id, w.slot, w.slot_count, w.task_name, w.weight FROM concurrency_waiters w
-            WHERE w.slot = v_locked[1] AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
-            ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
+            WHERE w.slot = v_released[1] AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
+            ORDER BY w.fair_round, w.first_deferred_at, w.parked_at, w.task_id;
     ELSE
         OPEN v_waiters FOR
             SELECT w.task_id, w.slot, w.slot_count, w.task_name, w.weight FROM concurrency_waiters w
-            WHERE w.slot = ANY(v_locked) AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
-            ORDER BY w.first_deferred_at, w.parked_at, w.task_id;
+            WHERE w.slot = ANY(v_released) AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
+            ORDER BY w.fair_round, w.first_deferred_at, w.parked_at, w.task_id;
     END IF;
     LOOP
         FETCH v_waiters INTO f_task, f_slot, f_count, f_name, f_weight;
         -- The slot's limit (its sentinel's; none: 0, full).
         f_limit := coalesce(v_limit_values[array_position(v_limit_slots, f_slot)], 0);
         IF v_task IS NOT NULL AND f_task IS DISTINCT FROM v_task THEN
+            -- Waiter v_task's rows of this round are read: it is considered here (its first place
+            -- among these lists), unless it was already.
+            v_consider := NOT (v_task = ANY(v_met));
+            IF v_consider AND cardinality(v_slots) < v_count THEN
+                -- Its rows of the other locked slots, and of other rounds (a fair key in one of
+                -- its slots: elsewhere in the order, passed by there), read now.  (Only a
+                -- waiter of several slots comes this way.)
+                v_met := v_met || v_task;
+                v_slots := '{}';
+                v_limits := '{}';
+                v_weights := '{}';
+                v_heavy := false;
+                -- (By its task id alone: its rows are all of p_deployment, one park made them; a
+                -- deployment's index here would read all of the deployment's waiters.)
+                FOR l_slot, l_weight IN
+                    SELECT w.slot, w.weight FROM concurrency_waiters w
+                    WHERE w.task_id = v_task AND w.slot = ANY(v_locked) AND w.dispatch_run_id IS NULL
+                LOOP
+                    l_limit := coalesce(v_limit_values[array_position(v_limit_slots, l_slot)], 0);
+                    v_slots := v_slots || l_slot;
+                    v_limits := v_limits || l_limit;
+                    v_weights := v_weights || l_weight;
+                    v_heavy := v_heavy OR l_weight > 1;
+                END LOOP;
+            END IF;
             -- Waiter v_task is complete: dispatch it if it waits for a released slot, all its
             -- slots are locked here and each has room (or is held by it already); a waiter
             -- passed over keeps its place.  v_full: slots found full, or closed, in this walk
             -- (only dispatches add leases while their sentinels are locked), so a waiter needing
             -- one is passed over without a count; unless it is heavy: the other slots it does not
             -- fit close too.
-            IF cardinality(v_slots) = v_count AND v_slots && v_released AND (NOT (v_slots && v_full) OR v_heavy) THEN
+            IF v_consider AND cardinality(v_slots) = v_count AND (NOT (v_slots && v_full) OR v_heavy) THEN
                 -- Without room now (for this waiter: a slot it holds already has room for it), and
                 -- full once it takes its place (so that no count is needed after the dispatch).
                 SELECT coalesce(array_agg(u.slot) FILTER (
@@ -368,7 +422,7 @@ BEGIN
                               WHERE c.slot = s.slot AND c.expires_at > v_now GROUP BY c.task_id) t) h) u;
                 v_full := v_full || v_found_full;
             END IF;
-            IF cardinality(v_slots) = v_count AND v_slots && v_released AND NOT (v_slots && v_full) THEN
+            IF v_consider AND cardinality(v_slots) = v_count AND NOT (v_slots && v_full) THEN
                 o_run_id := md5(random()::text || clock_timestamp()::text || v_task);
                 -- The entry answers for the task until a copy claims it (or the deadline passes).
                 UPDATE concurrency_waiters w SET dispatch_run_id = o_run_id,
@@ -389,12 +443,12 @@ BEGIN
             -- handed out (other slots gain room only by their own releases, or by expiry,
             -- which recovery serves).
             EXIT WHEN v_released <@ v_full;
-            -- Every c_batch rows, stop once every slot seen so far is full or closed.  (Units not
+            -- Every c_batch rows, stop once every released slot is full or closed.  (Units not
             -- capped at the limit: "units >= limit" comes out the same either way.)
             IF v_read >= v_check_at THEN
                 EXIT WHEN NOT EXISTS (
-                    SELECT 1 FROM unnest(v_seen_slots, v_seen_limits) AS u(slot, slot_limit)
-                    WHERE NOT (u.slot = ANY(v_full)) AND (
+                    SELECT 1 FROM unnest(v_limit_slots, v_limit_values) AS u(slot, slot_limit)
+                    WHERE u.slot = ANY(v_released) AND NOT (u.slot = ANY(v_full)) AND (
                         SELECT coalesce(sum(t.w), 0) FROM (
                             SELECT max(c.weight) AS w FROM concurrency_slots c
                             WHERE c.slot = u.slot AND c.expires_at > v_now GROUP BY c.task_id) t) < u.slot_limit);
@@ -416,10 +470,6 @@ BEGIN
         v_limits := v_limits || f_limit;
         v_weights := v_weights || f_weight;
         v_heavy := v_heavy OR f_weight > 1;
-        IF NOT (f_slot = ANY(v_seen_slots)) THEN
-            v_seen_slots := v_seen_slots || f_slot;
-            v_seen_limits := v_seen_limits || f_limit;
-        END IF;
     END LOOP;
     CLOSE v_waiters;
 END $$

@@ -9,8 +9,8 @@
   the run takes, and for operators ``task_name`` and ``acquired_at``).
 * ``concurrency_waiters``: the waiting list of the park strategy, one row per parked task and
   slot it needs (its task name, payload, first-deferral time, the deployment that parked it, its
-  weight in that slot, how many times it was dispatched, and while dispatched the run id and
-  deadline of its dispatch; a
+  weight, fair key and round in that slot, how many times it was dispatched, and while
+  dispatched the run id and deadline of its dispatch; a
   tombstone has ``done_until`` set, keeps its dispatch's run id and, if a claim made it, the
   claiming holder).  It holds no limit: a waiter is dispatched against its slots' sentinels, as
   they are at that moment.  Only its own deployment dispatches it: every walk, recovery and
@@ -38,7 +38,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
-from ...caps import MAX_SLOT_LENGTH
+from ...caps import MAX_KEY_LENGTH, MAX_SLOT_LENGTH
 
 #: The schema's version: of the tables and (PostgreSQL) the functions of ``postgresql.sql``.
 SCHEMA_VERSION = 1
@@ -58,6 +58,12 @@ FULL_INDEX_DIALECTS = ("mysql", "mariadb")
 #: The rows of ix_concurrency_waiters_heavy: waiting entries (a tombstone keeps its dispatch's run
 #: id) of weight above 1.  A query that probes it states both conditions, as written here.
 HEAVY_WAITING = "weight > 1 AND dispatch_run_id IS NULL"
+#: The rows of ix_concurrency_waiters_fair_key: entries with a fair key in their slot.  A query
+#: that probes it states this condition too, as written here.
+FAIR_KEYED = "fair_key IS NOT NULL"
+#: Indexes of an earlier schema that the store drops where it finds them, by table (their tables
+#: got the columns of :data:`.leases.ADDED_COLUMNS` that replace them; see ``create_schema``).
+OLD_INDEXES = {"concurrency_waiters": ("ix_concurrency_waiters_order",)}
 
 
 def _exact_text(length: int) -> sa.types.TypeEngine[Any]:
@@ -144,13 +150,35 @@ concurrency_waiters = sa.Table(
     sa.Column(
         "weight", sa.Integer(), nullable=False, server_default="1", comment="units of this slot's limit the task needs"
     ),
+    sa.Column("fair_key", _exact_text(MAX_KEY_LENGTH), nullable=True, comment="its fair key in this slot (fair_by)"),
+    sa.Column(
+        "fair_round",
+        sa.Integer(),
+        nullable=False,
+        server_default="0",
+        comment="its round in this slot's list (0 without a fair key)",
+    ),
     sa.Index("ix_concurrency_waiters_task_id", "task_id"),
     # Every index holding ``deployment`` has it first or right after the slot: whichever of them a
     # plan takes (a PL/pgSQL function's generic plan included), a look for one deployment's
     # entries never reads another deployment's.
     # A slot's waiters of one deployment in their order (a release reads the first few, never
-    # another deployment's).
-    sa.Index("ix_concurrency_waiters_order", "slot", "deployment", "first_deferred_at", "parked_at", "task_id"),
+    # another deployment's), and the list's first round (a park with a fair key there).  (It
+    # replaces ix_concurrency_waiters_order, of the order before rounds: see OLD_INDEXES.)
+    sa.Index(
+        "ix_concurrency_waiters_place", "slot", "deployment", "fair_round", "first_deferred_at", "parked_at", "task_id"
+    ),
+    # The last round of a fair key in a slot's list (a park with that key there): one probe into
+    # an index of the entries with a fair key only (partial where the database has partial indexes).
+    sa.Index(
+        "ix_concurrency_waiters_fair_key",
+        "slot",
+        "deployment",
+        "fair_key",
+        "fair_round",
+        postgresql_where=sa.text(FAIR_KEYED),
+        sqlite_where=sa.text(FAIR_KEYED),
+    ),
     # The (rare) waiters of several slots of a slot, which make a release lock their other slots:
     # found without walking the slot's list (partial where the database has partial indexes).
     sa.Index(

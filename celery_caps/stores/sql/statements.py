@@ -66,6 +66,9 @@ SENTINEL_ROW = "('', :s{i}, '', '', :l{i})"
 LEASE_ROW = "(:run_id, :s{i}, :task_id, :holder, {now} + :lease_seconds, :task_name, {now}, :w{i})"
 #: A column added to a table created before it (see :data:`.leases.ADDED_COLUMNS`).
 ADD_COLUMN = "ALTER TABLE {table} ADD COLUMN {column} {definition}"
+#: An index of an earlier schema dropped (see :data:`.schema.OLD_INDEXES`), by dialect ("": the
+#: others').
+DROP_INDEX = {"": "DROP INDEX {index}", "mysql": "DROP INDEX {index} ON {table}"}
 
 #: Room for a waiter in the slot of a waiting list ``n``, its sentinel ``s`` joined: fewer live
 #: holders than the slot's limit, and a waiting entry of :deployment (a look at the first rows of
@@ -75,7 +78,7 @@ _ROOM_FOR_A_WAITER = (
     "FROM concurrency_slots c WHERE c.slot = n.slot AND c.expires_at > {now}) AND ("
     "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
     "AND w.dispatch_run_id IS NULL "
-    "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+    "ORDER BY w.fair_round, w.first_deferred_at LIMIT 1) IS NOT NULL"
 )
 _LISTS_AND_SENTINELS = (
     "SELECT n.slot FROM concurrency_waitlists n JOIN concurrency_slots s ON s.run_id = '' AND s.slot = n.slot "
@@ -186,8 +189,16 @@ TEMPLATES: dict[str, str] = {
     # Entries (waiting or dispatched, not tombstones) per slot of :slots, as counted in
     # concurrency_waitlists: a park adds its entry under the slots' sentinel locks (parks are the
     # only steps that add, so "update, then insert the missing counts" races with none); a step
-    # that takes an entry off the list subtracts it as its last statement.
-    "listed_per_slot": "SELECT slot, entries FROM concurrency_waitlists WHERE slot IN :slots",
+    # that takes an entry off the list subtracts it as its last statement.  And the last round of
+    # each slot's list (of :deployment; NULL: none), the round of a new entry without a fair key
+    # there (see ParkingStore, "Fair shares"): the last row of the list's part of
+    # ix_concurrency_waiters_place, read from the index alone (a tombstone's round counts too:
+    # it only places the entry later than the listed ones' last round, never before one).
+    "listed_per_slot": (
+        "SELECT n.slot, n.entries, (SELECT w.fair_round FROM concurrency_waiters w WHERE w.slot = n.slot "
+        "AND w.deployment = :deployment ORDER BY w.fair_round DESC LIMIT 1) "
+        "FROM concurrency_waitlists n WHERE n.slot IN :slots"
+    ),
     "list_entry": "UPDATE concurrency_waitlists SET entries = entries + 1 WHERE slot IN :slots",
     "unlist_entry": "UPDATE concurrency_waitlists SET entries = entries - 1 WHERE slot IN :slots",
     # The slots of the entry a claim settles (locked: the rows it changes).
@@ -214,12 +225,12 @@ TEMPLATES: dict[str, str] = {
         "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND holder = :holder AND run_id <> ''"
     ),
     "task_slots": "SELECT slot FROM concurrency_slots WHERE task_id = :task_id AND run_id <> ''",
-    # Whether a slot's list has an entry, below, is "(SELECT 1 ... ORDER BY w.first_deferred_at
-    # LIMIT 1) IS NOT NULL": a look at the first rows of that one list's part of :deployment, per
-    # slot, in the order of ix_concurrency_waiters_order (so that the planner reads that index,
-    # not the table, to find them).  An EXISTS there, LIMIT or not, PostgreSQL and MariaDB may
-    # turn into a semi-join that reads every entry of every list (all of a full slot's waiters,
-    # on every recovery pass); a scalar subquery they keep as it is written.
+    # Whether a slot's list has an entry, below, is "(SELECT 1 ... ORDER BY w.fair_round,
+    # w.first_deferred_at LIMIT 1) IS NOT NULL": a look at the first rows of that one list's part
+    # of :deployment, per slot, in the order of ix_concurrency_waiters_place (so that the planner
+    # reads that index, not the table, to find them).  An EXISTS there, LIMIT or not, PostgreSQL
+    # and MariaDB may turn into a semi-join that reads every entry of every list (all of a full
+    # slot's waiters, on every recovery pass); a scalar subquery they keep as it is written.
     # The slots with listed entries of :deployment of one cap (recovery of some caps): the slot
     # named like it, and its keys'; of a slot name (it has a ':'), that slot alone (listed_slot).
     # (Every slot with a list has a row in concurrency_waitlists: one row per slot of the cap.)
@@ -227,13 +238,13 @@ TEMPLATES: dict[str, str] = {
         "SELECT n.slot FROM concurrency_waitlists n WHERE (n.slot = :cap OR {slot_starts_with}) AND ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
         "AND w.done_until IS NULL "
-        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+        "ORDER BY w.fair_round, w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
     "listed_slot": (
         "SELECT n.slot FROM concurrency_waitlists n WHERE n.slot = :cap AND ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
         "AND w.done_until IS NULL "
-        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+        "ORDER BY w.fair_round, w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
     # The slots with listed entries of :deployment of the tasks named :task_names (recovery of the
     # tasks a worker knows, whatever their slots are called): per slot with a list, a look at its
@@ -243,7 +254,7 @@ TEMPLATES: dict[str, str] = {
         "SELECT n.slot FROM concurrency_waitlists n WHERE ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
         "AND w.task_name IN :task_names AND w.done_until IS NULL "
-        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+        "ORDER BY w.fair_round, w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
     # The other slots of the (rare) listed entries of :deployment of several slots that wait for
     # one of :slots (ix_concurrency_waiters_several: never a walk of the lists).
@@ -261,7 +272,7 @@ TEMPLATES: dict[str, str] = {
         "SELECT s.slot FROM concurrency_slots s WHERE s.run_id = '' AND s.slot IN :slots AND "
         "(SELECT 1 FROM concurrency_waiters w WHERE w.slot = s.slot AND w.deployment = :deployment "
         "AND w.dispatch_run_id IS NULL "
-        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+        "ORDER BY w.fair_round, w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
     "several_waiting_slots": (
         "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN "
@@ -285,7 +296,7 @@ TEMPLATES: dict[str, str] = {
         _LISTS_AND_SENTINELS + "WHERE n.entries > 0 AND " + _ROOM_FOR_A_WAITER + " AND ("
         "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
         "AND w.task_name IN :task_names AND w.done_until IS NULL "
-        "ORDER BY w.first_deferred_at LIMIT 1) IS NOT NULL"
+        "ORDER BY w.fair_round, w.first_deferred_at LIMIT 1) IS NOT NULL"
     ),
     # The other slots of the (rare) listed entries of :deployment of several slots that wait for a
     # slot of one cap (ix_concurrency_waiters_several; SQLite is told so: with a prefix to match,
@@ -315,15 +326,37 @@ TEMPLATES: dict[str, str] = {
     "put_operator_limit": (
         "INSERT INTO concurrency_limits (name, slot_limit, set_at) VALUES (:name, :limit, {now}) {on_name_taken}"
     ),
-    # The waiters of :deployment of :slots in their order, a batch at a time (keyset: from the row
-    # ordered at :first/:parked/:task_id on).  Every row of one waiter has the same order key, so
-    # a waiter's rows are adjacent.
+    # The waiters of :deployment of :slots in the lists' order, merged, a batch at a time (keyset:
+    # from the row ordered at :round/:first/:parked/:task_id on).  Each list's own order is kept
+    # (it is this order, of its rows).  A waiter's rows with the same round are adjacent; without
+    # fair keys every round is 0, so all of them are.
     "waiting_rows": (
-        "SELECT task_id, slot, slot_count, first_deferred_at, parked_at, task_name, weight "
+        "SELECT task_id, slot, slot_count, fair_round, first_deferred_at, parked_at, task_name, weight "
         "FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment AND dispatch_run_id IS NULL AND ("
-        "first_deferred_at > :first OR (first_deferred_at = :first AND "
-        "(parked_at > :parked OR (parked_at = :parked AND task_id >= :task_id)))) "
-        "ORDER BY first_deferred_at, parked_at, task_id LIMIT :batch"
+        "fair_round > :round OR (fair_round = :round AND (first_deferred_at > :first OR (first_deferred_at = :first "
+        "AND (parked_at > :parked OR (parked_at = :parked AND task_id >= :task_id)))))) "
+        "ORDER BY fair_round, first_deferred_at, parked_at, task_id LIMIT :batch"
+    ),
+    # The rows of :slots of the waiters :task_ids of several slots that a walk met (their rows of
+    # slots it does not walk, and of other rounds: elsewhere in its order, or beyond what it
+    # read).  By their task ids alone: their rows are all of the deployment the walk read them for
+    # (one park made each entry), and a condition on the deployment could lead a planner to an
+    # index of the deployment, all of its waiters.
+    "waiting_rows_of_tasks": (
+        "SELECT task_id, slot, weight FROM concurrency_waiters WHERE task_id IN :task_ids AND slot IN :slots "
+        "AND dispatch_run_id IS NULL"
+    ),
+    # The round of a new entry of fair key :fair_key in the slot :slot (see ParkingStore, "Fair
+    # shares"): the list's first round (of its listed entries of :deployment) and the key's last
+    # (NULL: none), each the first row of an index in order (ix_concurrency_waiters_place, and
+    # ix_concurrency_waiters_fair_key with its condition, schema.FAIR_KEYED, as written there).
+    # Read after the slot's sentinel lock, as every park.
+    "fair_rounds": (
+        "SELECT (SELECT h.fair_round FROM concurrency_waiters h WHERE h.slot = :slot AND h.deployment = :deployment "
+        "AND h.done_until IS NULL ORDER BY h.fair_round LIMIT 1), "
+        "(SELECT k.fair_round FROM concurrency_waiters k WHERE k.slot = :slot AND k.deployment = :deployment "
+        "AND k.fair_key = :fair_key AND k.fair_key IS NOT NULL AND k.done_until IS NULL "
+        "ORDER BY k.fair_round DESC LIMIT 1)"
     ),
     # The live holders of :slots, each with its largest weight there.
     "live": (
@@ -419,7 +452,8 @@ TEMPLATES: dict[str, str] = {
         "WHERE o.task_id = concurrency_waiters.task_id AND o.slot IN :slots LIMIT 1)) "
         "ORDER BY first_deferred_at, parked_at, task_id"
     ),
-    # A slot's waiting entries of :deployment, in their order (an operator's drain).
+    # A slot's waiting entries of :deployment, by first deferral (an operator's drain readmits
+    # them in that order, whatever their rounds).
     "waiting_of_slot": (
         "SELECT DISTINCT task_id, first_deferred_at, parked_at FROM concurrency_waiters "
         "WHERE slot = :slot AND deployment = :deployment AND dispatch_run_id IS NULL "
@@ -427,13 +461,14 @@ TEMPLATES: dict[str, str] = {
     ),
     "slots_of_tasks": "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN :task_ids",
     "waiters_all": (
-        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id, weight "
-        "FROM concurrency_waiters WHERE done_until IS NULL ORDER BY slot, first_deferred_at, parked_at, task_id"
+        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id, weight, fair_key, "
+        "fair_round FROM concurrency_waiters WHERE done_until IS NULL "
+        "ORDER BY slot, fair_round, first_deferred_at, parked_at, task_id"
     ),
     "waiters_of_slot": (
-        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id, weight "
-        "FROM concurrency_waiters WHERE done_until IS NULL AND slot = :slot "
-        "ORDER BY slot, first_deferred_at, parked_at, task_id"
+        "SELECT slot, task_id, task_name, first_deferred_at, {now} - parked_at, dispatch_run_id, weight, fair_key, "
+        "fair_round FROM concurrency_waiters WHERE done_until IS NULL AND slot = :slot "
+        "ORDER BY slot, fair_round, first_deferred_at, parked_at, task_id"
     ),
 }
 
@@ -604,7 +639,7 @@ POSTGRESQL_CALLS = {
     "park": (
         "SELECT concurrency_slots_park(%(slots)s, %(limits)s, %(task_id)s, %(run_id)s, %(holder)s, "
         "%(lease_seconds)s, %(task_name)s, %(payload)s, %(first_deferred_at)s, %(max_waiters)s, %(deployment)s, "
-        "%(weights)s)"
+        "%(weights)s, %(fair_keys)s::text[])"
     ),
     "release": "DELETE FROM concurrency_slots WHERE run_id = %(run_id)s",
     "release_and_wake": (

@@ -92,14 +92,23 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 return ParkOutcome.ADMITTED
             if request.payload is None:
                 return ParkOutcome.FULL
-            listed = {
-                as_text(slot): int(entries)
-                for slot, entries in statements.execute(connection, "listed_per_slot", {"slots": ordered})
-            }
+            listed: dict[str, int] = {}
+            last_rounds: dict[str, int] = {}  # the last round of each list (0: none)
+            for slot, entries, last_round in statements.execute(
+                connection, "listed_per_slot", {"slots": ordered, **self._own}
+            ):
+                listed[as_text(slot)] = int(entries)
+                last_rounds[as_text(slot)] = int(last_round or 0)
             if any(entries >= request.max_waiters for entries in listed.values()):
                 return ParkOutcome.LIST_FULL
             dispatches = statements.execute(connection, "tombstone_dispatches", params).scalar() or 0
             statements.execute(connection, "delete_tombstone", params)
+            # Its round in each slot, read under the sentinel locks: where it has a fair key, the
+            # list's first round or its key's next; elsewhere the list's last round (0 in a list
+            # without fair keys), so that after a deploy that removed fair_by new entries queue
+            # behind the rounds left.  (No statement more without fair keys: listed_per_slot read
+            # the last rounds.)
+            rounds = {slot: self._fair_round(connection, slot, key) for slot, key in request.fair_keys.items()}
             parked_at: sa.ColumnElement[Any] = sa.literal_column(self.dialect.now)  # the store's clock
             rows = [
                 {
@@ -113,6 +122,8 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                     "payload": request.payload,
                     "dispatches": dispatches,
                     "weight": weights.get(slot, 1),
+                    "fair_key": self.dialect.exact(request.fair_keys[slot]) if slot in request.fair_keys else None,
+                    "fair_round": rounds[slot] if slot in rounds else last_rounds.get(slot, 0),
                 }
                 for slot in ordered
             ]
@@ -128,12 +139,21 @@ class SQLStore(SQLLeaseStore, ParkingStore):
 
         return self._transaction(park)
 
+    def _fair_round(self, connection: Connection, slot: str, fair_key: str) -> int:
+        """The round of a new entry of ``fair_key`` in ``slot``'s list (its sentinel locked): the
+        list's first round, or the key's last one's next if later (see :class:`.ParkingStore`,
+        "Fair shares")."""
+        params = {"slot": slot, "fair_key": fair_key, **self._own}
+        head, last = self.statements.execute(connection, "fair_rounds", params).one()
+        head = int(head or 0)
+        return head if last is None else max(head, int(last) + 1)
+
     # -- waking -------------------------------------------------------------------------------
 
     def _dispatch(
         self, connection: Connection, locked: list[str], dispatch_lease_seconds: float, touching: set[str] | None
     ) -> list[Woken]:
-        """Dispatch, with leases, the oldest waiters of this deployment of the ``locked`` slots
+        """Dispatch, with leases, the first waiters of this deployment of the ``locked`` slots
         (sentinels locked) that have room and (if ``touching`` is given) wait for one of the slots
         ``touching``.
 
@@ -142,11 +162,18 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         counts as full.  A waiter fits a slot it holds already, or whose free units take its weight
         there (at most the limit); the first waiter that does not fit a slot closes that slot for
         the rest of the walk (a heavy waiter's room is not handed to those behind it; with every
-        weight 1, a slot it does not fit is full anyway).  Waiters are read in their order a batch
-        at a time, and reading stops once every slot seen is full or closed: a release with a long
-        waiting list reads a few rows, not all.  A waiter passed over (a slot of it closed, or not
-        locked here) keeps its place.
+        weight 1, a slot it does not fit is full anyway).  Waiters are read from the lists of the
+        slots ``touching`` (all of ``locked`` without it) in their order (round, first deferral,
+        park time, task id: the lists merged, each list's own order kept) a batch at a time, each
+        considered once, at its first place (a waiter of several slots with its rows of the other
+        locked slots read then), and reading stops once every one of those slots is full or
+        closed: a release with a long waiting list reads a few rows, not all, and never the list
+        of another slot (full, it could hold any number of rows of earlier rounds).  A waiter
+        passed over (a slot of it closed, or not locked here) keeps its place.
         """
+        walked = [slot for slot in locked if touching is None or slot in touching]
+        if not walked:
+            return []
         statements = self.statements
         limits: dict[str, int] = defaultdict(int)
         for slot, limit in statements.execute(connection, "slot_limits", {"slots": locked}):
@@ -158,30 +185,44 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             live[slot][as_text(task_id)] = int(weight)
             units[slot] += min(int(weight), limits[slot])
         closed: set[str] = set()
-        seen: set[str] = set()
+        met: set[str] = set()  # the waiters considered (a waiter's rows of other rounds come later)
         chosen: list[tuple[str, str]] = []
-        after: dict[str, Any] = {"first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
+        after: dict[str, Any] = {"round": -1, "first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
         while True:
             rows = statements.execute(
-                connection, "waiting_rows", {"slots": locked, "batch": WAITING_BATCH, **after, **self._own}
+                connection, "waiting_rows", {"slots": walked, "batch": WAITING_BATCH, **after, **self._own}
             ).all()
-            waiting: dict[str, dict[str, Any]] = {}
-            for task_id, slot, count, first, parked, task_name, weight in rows:
-                waiter = waiting.setdefault(
-                    as_text(task_id), {"slots": {}, "count": count, "order": (first, parked), "task_name": task_name}
-                )
-                waiter["slots"][as_text(slot)] = int(weight)
-                seen.add(as_text(slot))
-            complete = list(waiting.items())
-            more = len(rows) == WAITING_BATCH and len(complete) > 1
+            more = len(rows) == WAITING_BATCH
             if more:
-                # The last waiter's rows may go on in the next batch: read it again there.
-                next_id, next_waiter = complete.pop()
-                after = {"first": next_waiter["order"][0], "parked": next_waiter["order"][1], "task_id": next_id}
-            for task_id, waiter in complete:
+                # The last waiter's rows of the last order key may go on in the next batch: read
+                # them again there (unless they are the whole batch: that waiter is read whole
+                # below, and the walk ends with it).
+                last_id, _slot, _count, last_round, last_first, last_parked = rows[-1][:6]
+                last = (last_id, last_round, last_first, last_parked)
+                kept = [row for row in rows if (row[0], *row[3:6]) != last]
+                more = bool(kept)
+                if more:
+                    rows = kept
+                    after = {"round": last_round, "first": last_first, "parked": last_parked, "task_id": last_id}
+            waiting: dict[str, dict[str, Any]] = {}
+            for task_id, slot, count, _round, _first, _parked, task_name, weight in rows:
+                task_id = as_text(task_id)
+                if task_id in met:
+                    continue  # a row of another round of a waiter considered already
+                # (In the order of their first places: a dict keeps it.)
+                waiter = waiting.setdefault(task_id, {"slots": {}, "count": count, "task_name": task_name})
+                waiter["slots"][as_text(slot)] = int(weight)
+            # The waiters of several slots read in part: their rows of the other locked slots, and
+            # of other rounds (elsewhere in the order: passed by there), in one read per batch.
+            partial = [task_id for task_id, waiter in waiting.items() if len(waiter["slots"]) < waiter["count"]]
+            if partial:
+                for task_id, slot, weight in statements.execute(
+                    connection, "waiting_rows_of_tasks", {"task_ids": partial, "slots": locked}
+                ):
+                    waiting[as_text(task_id)]["slots"][as_text(slot)] = int(weight)
+            for task_id, waiter in waiting.items():
+                met.add(task_id)
                 needed: dict[str, int] = waiter["slots"]  # slot -> the waiter's weight there
-                if touching is not None and touching.isdisjoint(needed):
-                    continue  # read for a slot it shares with those, which it does not wait for
                 if len(needed) < waiter["count"]:
                     continue  # one of its slots is not locked here: a later release or recovery
                 misfits = {
@@ -208,7 +249,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                         live[slot][task_id] = weight
                         units[slot] += min(weight, limits[slot]) - min(held, limits[slot])
                 chosen.append((task_id, run_id))
-            if not more or all(slot in closed or units[slot] >= limits[slot] for slot in seen):
+            if not more or all(slot in closed or units[slot] >= limits[slot] for slot in walked):
                 break
         return self._woken(connection, chosen, readmit=False)
 
@@ -552,9 +593,17 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         def read(connection: Connection) -> list[Waiter]:
             result = []
             positions: dict[str, int] = defaultdict(int)
-            for name, task_id, task_name, first, age, dispatch_run_id, weight in self.statements.execute(
-                connection, statement, params
-            ):
+            for (
+                name,
+                task_id,
+                task_name,
+                first,
+                age,
+                dispatch_run_id,
+                weight,
+                fair_key,
+                fair_round,
+            ) in self.statements.execute(connection, statement, params):
                 name = as_text(name)
                 positions[name] += 1
                 dispatched = dispatch_run_id is not None
@@ -568,6 +617,8 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                         positions[name],
                         dispatched,
                         int(weight),
+                        None if fair_key is None else as_text(fair_key),
+                        int(fair_round),
                     )
                 )
             return result
