@@ -514,45 +514,18 @@ def measure_waiting_keys(report: Report, options: Options, target: StoreTarget, 
 
             worker_pass()  # (a new session's first statements are not counted)
             recovery[size] = [ms(_timed(worker_pass)[0]) for _ in range(passes)]
-            hand_over[size] = []
-            for i in range(-WARM_UP_CYCLES, samples):
-                start = time.perf_counter()
-                _deleted, woken = store.release_and_wake(holder, 3600.0)
-                [dispatched] = woken
-                if dispatched.task_id.rpartition("-")[0] != slot:
-                    raise RuntimeError(f"the release of {slot} dispatched {dispatched.task_id}")
-                store.claim(dispatched.task_id, dispatched.run_id, "bench", 3600.0)
-                request = ParkRequest(
-                    {slot: 1}, f"{slot}-late{i + WARM_UP_CYCLES:05d}", uuid.uuid4().hex, "bench", 60.0, 1e9 + i,
-                    10**9, "bench.waiter", b"payload",
-                )  # fmt: skip
-                store.park(request)
-                if i >= 0:
-                    hand_over[size].append(ms(time.perf_counter() - start))
-                holder = dispatched.run_id
+            hand_over[size] = _hand_over_cycles(store, slot, holder, samples, lambda i: {}, check=True)
             options.log(
                 f"[growth] {target.name}: {size:,} keys waiting: hand-over cycle {median(hand_over[size]):.3f} ms, "
                 f"a worker's recovery pass {median(recovery[size]):.3f} ms"
             )
     finally:
         store.close()
-    smallest, largest = sizes[0], sizes[-1]
+    _report_hand_over(
+        report, f"{target.name}: hand-over on one key (release, dispatch, claim, park) p50", "keys", hand_over
+    )
+    smallest = sizes[0]
     for size in sizes:
-        last = size == largest and size != smallest
-        growth = ratio(median(hand_over[size]), median(hand_over[smallest]))
-        report.add(
-            Figure(
-                PART,
-                f"{target.name}: hand-over on one key (release, dispatch, claim, park) p50, {size:,} keys waiting",
-                median(hand_over[size]),
-                "ms",
-                versus=f"{smallest:,} keys waiting {median(hand_over[smallest]):.3f} ms",
-                ratio=growth,
-                target="ratio <= 1.3" if last else "",
-                met=at_most(growth, 1.3) if last else None,
-                repeats=hand_over[size],
-            )
-        )
         report.add(
             Figure(
                 PART,
@@ -590,25 +563,56 @@ def measure_waiting_fair_keys(report: Report, options: Options, target: StoreTar
                 if store.park(request) is not ParkOutcome.PARKED:
                     raise RuntimeError(f"{request.task_id} did not park")
             target.vacuum_store("waiting_keys")
-            hand_over[size] = []
-            for i in range(-WARM_UP_CYCLES, samples):
-                start = time.perf_counter()
-                _deleted, woken = store.release_and_wake(holder, 3600.0)
-                [dispatched] = woken
-                store.claim(dispatched.task_id, dispatched.run_id, "bench", 3600.0)
-                request = ParkRequest(
-                    {slot: 1}, f"{slot}-late{i + WARM_UP_CYCLES:05d}", uuid.uuid4().hex, "bench", 60.0, 1e9 + i,
-                    10**9, "bench.waiter", b"payload", fair_keys={slot: f"tenant{(i * 7919) % size:07d}"},
-                )  # fmt: skip
-                store.park(request)
-                if i >= 0:
-                    hand_over[size].append(ms(time.perf_counter() - start))
-                holder = dispatched.run_id
+            # The new waiter's key: one of those waiting, spread over them.
+            keys = [f"tenant{(i * 7919) % size:07d}" for i in range(-WARM_UP_CYCLES, samples)]
+
+            def fair_keys_of(cycle: int, slot: str = slot, keys: list[str] = keys) -> dict[str, str]:
+                return {slot: keys[cycle + WARM_UP_CYCLES]}
+
+            hand_over[size] = _hand_over_cycles(store, slot, holder, samples, fair_keys_of)
             options.log(
                 f"[growth] {target.name}: {size:,} fair keys waiting: hand-over cycle {median(hand_over[size]):.3f} ms"
             )
     finally:
         store.close()
+    _report_hand_over(
+        report, f"{target.name}: hand-over on a fair cap (release, dispatch, claim, park) p50", "fair keys", hand_over
+    )
+
+
+def _hand_over_cycles(
+    store: ParkingStore,
+    slot: str,
+    holder: str,
+    samples: int,
+    fair_keys: Callable[[int], dict[str, str]],
+    check: bool = False,
+) -> list[float]:
+    """Time ``samples`` hand-overs of ``slot`` (limit 1) from run ``holder``, in ms: the release
+    dispatches the list's first waiter, which claims, and a new waiter (of ``fair_keys(i)``)
+    parks; ``check``: the waiter dispatched must be one of the slot's own (named after it)."""
+    timings = []
+    for i in range(-WARM_UP_CYCLES, samples):
+        start = time.perf_counter()
+        _deleted, woken = store.release_and_wake(holder, 3600.0)
+        [dispatched] = woken
+        if check and dispatched.task_id.rpartition("-")[0] != slot:
+            raise RuntimeError(f"the release of {slot} dispatched {dispatched.task_id}")
+        store.claim(dispatched.task_id, dispatched.run_id, "bench", 3600.0)
+        request = ParkRequest(
+            {slot: 1}, f"{slot}-late{i + WARM_UP_CYCLES:05d}", uuid.uuid4().hex, "bench", 60.0, 1e9 + i, 10**9,
+            "bench.waiter", b"payload", fair_keys=fair_keys(i),
+        )  # fmt: skip
+        store.park(request)
+        if i >= 0:
+            timings.append(ms(time.perf_counter() - start))
+        holder = dispatched.run_id
+    return timings
+
+
+def _report_hand_over(report: Report, what: str, keys: str, hand_over: dict[int, list[float]]) -> None:
+    """The hand-over figures, each size against the smallest; the largest's target: flat."""
+    sizes = sorted(hand_over)
     smallest, largest = sizes[0], sizes[-1]
     for size in sizes:
         last = size == largest and size != smallest
@@ -616,11 +620,10 @@ def measure_waiting_fair_keys(report: Report, options: Options, target: StoreTar
         report.add(
             Figure(
                 PART,
-                f"{target.name}: hand-over on a fair cap (release, dispatch, claim, park) p50, "
-                f"{size:,} fair keys waiting",
+                f"{what}, {size:,} {keys} waiting",
                 median(hand_over[size]),
                 "ms",
-                versus=f"{smallest:,} fair keys waiting {median(hand_over[smallest]):.3f} ms",
+                versus=f"{smallest:,} {keys} waiting {median(hand_over[smallest]):.3f} ms",
                 ratio=growth,
                 target="ratio <= 1.3" if last else "",
                 met=at_most(growth, 1.3) if last else None,
