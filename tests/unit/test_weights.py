@@ -128,6 +128,21 @@ def test_the_oldest_waiter_that_needs_more_room_than_is_free_holds_it(store: Slo
     assert [w.task_id for w in woken] == [f"{prefix}newcomer"]
 
 
+def test_a_heavy_waiter_holds_its_room_in_each_slot_a_newcomer_asks_for(store: SlotStore, prefix: str) -> None:
+    store = parking_store(store)
+    # Slots in order a, b: the heavy waiter waits in b, the second slot the newcomer asks for
+    api, gpu = f"{prefix}a-api", f"{prefix}b-gpu"
+    limits = {api: 4, gpu: 4}
+    admit_weighed(store, {api: 4}, {}, f"{prefix}api-run")
+    admit_weighed(store, {gpu: 4}, {gpu: 2}, f"{prefix}gpu-run")
+    # Given: a task of weight 3 waits for the GPU (two units free)
+    assert park_weighed(store, {gpu: 4}, {gpu: 3}, f"{prefix}heavy", 1.0) == ParkOutcome.PARKED
+    # Then: a light newcomer of both slots does not take the GPU's free units (nor the API's)
+    assert weighed(store, limits, {}, f"{prefix}newcomer") == Admission(False, (gpu,))
+    units = {slot: own_status(store, prefix)[slot].used for slot in limits}
+    assert (units[api], units[gpu]) == (1, 2), units
+
+
 def test_a_waiter_that_fits_is_not_held_back_by_one_that_waits_for_another_slot(store: SlotStore, prefix: str) -> None:
     store = parking_store(store)
     gpu, tenant = f"{prefix}gpu", f"{prefix}tenant:acme"
