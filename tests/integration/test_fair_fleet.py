@@ -48,12 +48,13 @@ def big_tasks_started_before_the_small_ones_finished(fleet: Fleet, task: str) ->
     return overtaken
 
 
+# Not SQLite: its fair rounds are the portable SQL's, which the MySQL row runs here with real
+# contention, and test_fair's store table runs on SQLite (CI's time is bounded: 13 s a row).
 @pytest.mark.parametrize(
     "store",
     [
         pytest.param("postgres", marks=pytest.mark.postgres),
         pytest.param("mysql", marks=pytest.mark.mysql),
-        pytest.param("sqlite", marks=pytest.mark.sqlite),
         pytest.param("redis", marks=pytest.mark.redis),
     ],
 )
