@@ -14,6 +14,10 @@ channel): publish time (a message header that put-back copies keep), start and
 end (``time.time()``, one machine), deferrals.  The record is pushed once the run has
 ended (``task_postrun``, after ``CappedTask`` released the slot), so that the benchmark's
 own bookkeeping does not lengthen the slot's occupancy or the hand-over it measures.
+The utilisation part's baselines record their runs the same way: ``global_uncapped``
+(``bench.global`` without its cap, for a dedicated queue whose worker's processes are the
+cap) and the ``semaphore_*`` tasks, which take a slot of a hand-rolled Redis semaphore
+(:data:`SEMAPHORE_TAKE`) and retry after :data:`SEMAPHORE_RETRY_SECONDS` while it is full.
 Workers count every message they publish (the put-back and woken copies) with
 ``before_task_publish``, pushed after the run that published them, as its record.
 """
@@ -28,6 +32,7 @@ from typing import Any
 
 import redis
 from celery import Celery, Task, signals
+from redis.commands.core import Script
 
 from celery_caps import Cap, CappedTask
 
@@ -52,6 +57,20 @@ ENV: dict[str, str] = {
 PUBLISHED_HEADER = "bench_published_at"
 #: Caps that never bind in the overhead benchmark.
 WIDE_LIMIT = 1_000_000
+#: The countdown of a ``semaphore_*`` task's retry while its semaphore is full, seconds.
+SEMAPHORE_RETRY_SECONDS = 0.2
+#: Takes a slot of a hand-rolled semaphore, as users write one: ``KEYS[1]`` is the semaphore, a
+#: sorted set of its holders (member: a task id, score: when its hold expires); ``ARGV``: now,
+#: the new hold's expiry, the limit, the task id.  Drops the expired holders and adds the task
+#: if fewer than the limit remain; returns 1 if it did, 0 if the semaphore is full.
+SEMAPHORE_TAKE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
+    redis.call('ZADD', KEYS[1], ARGV[2], ARGV[4])
+    return 1
+end
+return 0
+"""
 
 
 def setting(env: Mapping[str, str], name: str) -> str:
@@ -67,6 +86,11 @@ def side_keys(prefix: str) -> dict[str, str]:
         "done": f"{prefix}side:done",
         "steps": f"{prefix}side:steps",
     }
+
+
+def semaphore_key(prefix: str, name: str) -> str:
+    """The side channel's key of the hand-rolled semaphore ``name`` (``*``: a pattern of them all)."""
+    return f"{prefix}side:semaphore:{name}"
 
 
 def _parse_extra(text: str) -> dict[str, Any]:
@@ -116,19 +140,30 @@ def make_app(env: Mapping[str, str]) -> Celery:
 
 
 class _SideChannel:
-    """One Redis connection per process (a prefork child must not share its parent's)."""
+    """One Redis connection per process (a prefork child must not share its parent's), and the
+    hand-rolled semaphores on it."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self._pid = -1
         self._client: redis.Redis | None = None
+        self._take: Script | None = None
 
     @property
     def client(self) -> redis.Redis:
         if self._client is None or self._pid != os.getpid():
             self._client = redis.Redis.from_url(self.url)
+            self._take = self._client.register_script(SEMAPHORE_TAKE)
             self._pid = os.getpid()
         return self._client
+
+    def take_slot(self, key: str, limit: int, holder: str, hold_seconds: float) -> bool:
+        """Whether ``holder`` took a slot of the semaphore ``key`` (one ``EVALSHA``); False if
+        ``limit`` unexpired holders hold them all."""
+        client = self.client
+        assert self._take is not None
+        now = time.time()
+        return bool(self._take(keys=[key], args=[now, now + hold_seconds, limit, holder], client=client))
 
 
 def _header(request: Any, name: str) -> Any:
@@ -141,10 +176,12 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
     side = _SideChannel(setting(env, "CAPS_BENCH_SIDE_URL"))
     keys = side_keys(prefix)
     wide = Cap(f"{prefix}wide", WIDE_LIMIT)
-    global_cap = Cap(f"{prefix}global", int(setting(env, "CAPS_BENCH_GLOBAL_LIMIT")))
-    tenant_cap = Cap(f"{prefix}tenant", int(setting(env, "CAPS_BENCH_TENANT_LIMIT")), key=lambda tenant, ms: tenant)
+    global_limit = int(setting(env, "CAPS_BENCH_GLOBAL_LIMIT"))
+    tenant_limit = int(setting(env, "CAPS_BENCH_TENANT_LIMIT"))
+    global_cap = Cap(f"{prefix}global", global_limit)
+    tenant_cap = Cap(f"{prefix}tenant", tenant_limit, key=lambda tenant, ms: tenant)
     # The global cap's twin served in turn across tenants (the fairness part).
-    fair_cap = Cap(f"{prefix}fair", int(setting(env, "CAPS_BENCH_GLOBAL_LIMIT")), fair_by=lambda tenant, ms: tenant)
+    fair_cap = Cap(f"{prefix}fair", global_limit, fair_by=lambda tenant, ms: tenant)
 
     @app.task(name="bench.noop", base=Task, shared=False)
     def noop() -> None:
@@ -178,13 +215,16 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
     # Records of runs whose body ended, pushed by task_postrun (after the slot's release).
     pending: dict[str, str] = {}
 
-    def record(task: Any, tenant: str, ms: float) -> None:
+    def record(task: Any, tenant: str, ms: float, deferrals: int | None = None) -> None:
+        """Sleep ``ms`` and keep the run's record for task_postrun; ``deferrals``: how often the
+        task was put back (default: its ``caps_deferrals`` header)."""
         start = time.time()
         time.sleep(ms / 1000)
         end = time.time()
         request = task.request
         published = float(_header(request, PUBLISHED_HEADER) or 0.0)
-        deferrals = int(_header(request, "caps_deferrals") or 0)
+        if deferrals is None:
+            deferrals = int(_header(request, "caps_deferrals") or 0)
         # How the run got its slots: a dispatched message (woken, or admitted when sent), or
         # admission on arrival.
         via = "dispatch" if _header(request, "caps_dispatch_run_id") else "admission"
@@ -202,6 +242,33 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
     @app.task(name="bench.tenant", base=CappedTask, cap=tenant_cap, bind=True, shared=False)
     def tenant_task(self: Any, tenant: str, ms: float) -> None:
         record(self, tenant, ms)
+
+    # bench.global without its cap: the dedicated queue's baseline (a worker's -c is the cap).
+    @app.task(name="bench.global_uncapped", base=Task, bind=True, shared=False)
+    def global_uncapped_task(self: Any, tenant: str, ms: float) -> None:
+        record(self, tenant, ms)
+
+    hold_seconds = float(setting(env, "CAPS_BENCH_LEASE"))
+
+    def with_semaphore(task: Any, name: str, limit: int, tenant: str, ms: float) -> None:
+        """Run ``record`` holding a slot of the semaphore ``name``; retry the task if it is full."""
+        key = semaphore_key(prefix, name)
+        holder = task.request.id
+        if not side.take_slot(key, limit, holder, hold_seconds):
+            raise task.retry(countdown=SEMAPHORE_RETRY_SECONDS)
+        try:
+            record(task, tenant, ms, deferrals=task.request.retries)
+        finally:
+            side.client.zrem(key, holder)
+
+    # A hand-rolled Redis semaphore: the global cap's and the per-tenant cap's.
+    @app.task(name="bench.semaphore_global", base=Task, bind=True, max_retries=None, shared=False)
+    def semaphore_global_task(self: Any, tenant: str, ms: float) -> None:
+        with_semaphore(self, "global", global_limit, tenant, ms)
+
+    @app.task(name="bench.semaphore_tenant", base=Task, bind=True, max_retries=None, shared=False)
+    def semaphore_tenant_task(self: Any, tenant: str, ms: float) -> None:
+        with_semaphore(self, f"tenant:{tenant}", tenant_limit, tenant, ms)
 
     if os.environ.get("CAPS_BENCH_WORKER") == "1":
         import celery_caps

@@ -423,6 +423,8 @@ class Options:
     utilisation_stores: list[str] = field(default_factory=lambda: ["postgresql"])
     #: Waiting strategies the utilisation part measures (keys of ``utilisation.STRATEGIES``; None: all).
     utilisation_strategies: list[str] | None = None
+    #: How long the utilisation part's tasks sleep, ms (None: ``utilisation.TASK_MS``).
+    utilisation_task_ms: int | None = None
     verbose: bool = True
 
     def log(self, text: str) -> None:

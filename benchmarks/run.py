@@ -44,6 +44,7 @@ from benchmarks.common import (
     service_url,
 )
 from benchmarks.utilisation import STRATEGIES as UTILISATION_STRATEGIES
+from benchmarks.utilisation import TASK_MS as UTILISATION_TASK_MS
 
 #: Part -> its module, imported when the part runs (a snapshot of an older celery_caps on
 #: PYTHONPATH can then run the parts it has the names for).
@@ -69,6 +70,17 @@ def _list(text: str, allowed: tuple[str, ...] | list[str], what: str, separator:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown {what}: {', '.join(unknown)} (choose from {', '.join(allowed)})")
     return values
+
+
+def _milliseconds(text: str) -> int:
+    """A whole, positive number of milliseconds."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a whole, positive number of milliseconds: {text!r}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(UTILISATION_STRATEGIES),
         help="semicolon-separated waiting strategies the utilisation part measures (default: all): "
         + "; ".join(UTILISATION_STRATEGIES),
+    )
+    parser.add_argument(
+        "--task-ms",
+        type=_milliseconds,
+        default=UTILISATION_TASK_MS,
+        help="how long the utilisation part's tasks sleep, ms (default: %(default)s)",
     )
     parser.add_argument(
         "--rounds",
@@ -169,6 +187,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, rounds: int) -> int:
             tmp_dir=Path(tmp),
             verbose=not args.quiet,
             utilisation_strategies=args.strategies,
+            utilisation_task_ms=args.task_ms,
         )
         if args.worker_stores is not None:
             options.overhead_stores = args.worker_stores
@@ -183,6 +202,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, rounds: int) -> int:
                 "overhead_stores": options.overhead_stores,
                 "utilisation_stores": options.utilisation_stores,
                 "utilisation_strategies": options.utilisation_strategies,
+                "utilisation_task_ms": options.utilisation_task_ms,
                 "rounds": rounds,
                 "command": " ".join(["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
             }

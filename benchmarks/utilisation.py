@@ -1,10 +1,11 @@
-"""Part 3: how well a binding cap's slots are used, for every waiting strategy the library has.
+"""Part 3: how well a binding cap's slots are used, for every waiting strategy the library has,
+next to what a user would do without it.
 
-Global: a cap of 4, tasks sleeping 100 ms, a backlog of 400 sent at once (with
-``apply_async``) to two running workers with ``-c 8`` and a prefetch multiplier of 1 (as the
+Global: a cap of 4, tasks sleeping 100 ms (by default: ``run.py --task-ms``), a backlog of 400 sent
+at once (with ``apply_async``) to two running workers with ``-c 8`` and a prefetch multiplier of 1 (as the
 README recommends for capped tasks; one strategy entry measures park with 4).  The ideal is the cap kept
 full: ``limit / duration`` = 40 tasks/s, the backlog done in 10 s, task *i* (in publish order) starting ``floor(i / 4) x
-100 ms`` after the first.  Reported: achieved throughput / ideal, deferrals
+100 ms`` after the first (figures for 100 ms tasks).  Reported: achieved throughput / ideal, deferrals
 (put-backs) per completed task, broker messages per completed task (the tasks
 that reached the broker when sent, plus every put-back or wake copy: 1.0 is the floor), and the wait from publish to
 start (p50/p99) next to the ideal schedule's waits.
@@ -20,7 +21,13 @@ Every waiting strategy the library has is an entry of :data:`STRATEGIES` (backof
 with its default bounds and with tight ones, and park and wake), with the settings
 that select it.  Two entries run the global variant on a fleet with no process to spare
 (:data:`SMALL_FLEETS`: one worker with ``-c 4`` under the cap of 4), where the cap hardly
-binds and every hand-over goes through the freed process itself.
+binds and every hand-over goes through the freed process itself.  Two more are the
+alternatives, measured in the same run (issue 34), with tasks of their own (:data:`TASKS`):
+:data:`BASELINE`, what Celery's documentation suggests for a global cap (a queue of its own
+consumed by one worker with ``-c 4``, the task uncapped), whose global utilisation every other
+strategy's is also divided by; and :data:`SEMAPHORE`, a hand-rolled Redis semaphore whose
+task retries after 0.2 s while it is full.  Each trial also counts, from outside, the
+transactions the caps store's server ran per completed task (:func:`transaction_counter`).
 """
 
 from __future__ import annotations
@@ -35,12 +42,29 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import redis
+import sqlalchemy as sa
+
+from .benchapp import semaphore_key
 from .clients import caps_url_for, drop_slots, vacuum_database
-from .common import CpuSteal, Figure, Options, Report, at_least, at_most, median, percentile, reachable, service_url
+from .common import (
+    CpuSteal,
+    Figure,
+    Options,
+    Report,
+    at_least,
+    at_most,
+    median,
+    percentile,
+    ratio,
+    reachable,
+    service_url,
+)
 from .workers import BenchFleet, fleet_env, wait_for
 
 PART = "utilisation"
 GLOBAL_LIMIT = 4
+#: How long a task sleeps by default, ms (``run.py --task-ms`` sets another).
 TASK_MS = 100
 WORKERS = 2
 CONCURRENCY = 8
@@ -53,9 +77,18 @@ UTILISATION_TARGET = 0.97
 #: Broker messages per completed task the park strategy should stay under.
 MESSAGES_TARGET = 1.1
 
+#: The baseline: a queue of its own, consumed by one worker with as many processes as the global
+#: cap has slots, the task uncapped (Celery's documentation's answer to a global cap).
+BASELINE = "dedicated queue, 1 worker x -c 4"
+#: A hand-rolled Redis semaphore (benchapp.SEMAPHORE_TAKE), the task retried after 0.2 s while it is full.
+SEMAPHORE = "redis semaphore + retry 0.2s"
+
 #: Waiting strategies: label -> the worker environment that selects it.
 #: (Put back with backoff; the bounds are caps_backoff_min/max_seconds, the first pair the defaults.)
+#: The baseline first: the others' utilisation is divided by its own, measured earlier in the run.
 STRATEGIES: dict[str, dict[str, str]] = {
+    # Uncapped tasks (see TASKS): nothing to select.
+    BASELINE: {},
     "backoff 0.5-20s": {
         "CAPS_BENCH_BACKOFF_MIN": "0.5",
         "CAPS_BENCH_BACKOFF_MAX": "20",
@@ -72,6 +105,8 @@ STRATEGIES: dict[str, dict[str, str]] = {
     "park, prefetch 4": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park", "CAPS_BENCH_PREFETCH": "4"},
     # Park, with the sender taking its slots, or parking it, as a task is sent.
     "park on publish": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park;caps_park_on_publish=True"},
+    # Tasks of their own that hold a Redis semaphore (see TASKS): nothing to select.
+    SEMAPHORE: {},
     # A fleet with no process to spare: one worker with as many processes as the cap has slots.
     "park, 1 worker x -c 4": {"CAPS_BENCH_EXTRA_CONF": "caps_strategy=park"},
     "backoff 0.05-1s, 1 worker x -c 4": {
@@ -83,8 +118,16 @@ STRATEGIES: dict[str, dict[str, str]] = {
 #: Strategies measured on another fleet than WORKERS x CONCURRENCY: (workers, processes each).
 #: The global variant only (8 tenants of a cap of 1 cannot all run on 4 processes).
 SMALL_FLEETS: dict[str, tuple[int, int]] = {
+    BASELINE: (1, GLOBAL_LIMIT),
     "park, 1 worker x -c 4": (1, GLOBAL_LIMIT),
     "backoff 0.05-1s, 1 worker x -c 4": (1, GLOBAL_LIMIT),
+}
+#: The tasks a trial sends, by variant: the capped ones, or those of a strategy named in :data:`TASKS`.
+CAPPED_TASKS = {"global": "bench.global", "per-key": "bench.tenant"}
+#: Strategies that send other tasks than :data:`CAPPED_TASKS` (they record their runs the same way).
+TASKS: dict[str, dict[str, str]] = {
+    BASELINE: {"global": "bench.global_uncapped"},
+    SEMAPHORE: {"global": "bench.semaphore_global", "per-key": "bench.semaphore_tenant"},
 }
 
 
@@ -95,6 +138,68 @@ def tenant_counts(total: int) -> dict[str, int]:
     return counts
 
 
+class PostgresTransactions:
+    """The transactions of the caps database, ``xact_commit + xact_rollback`` in
+    ``pg_stat_database``, read from the server's configured database (the reads are not counted).
+
+    A backend reports its counts as it goes idle, but at most once a second: what it ran less
+    than a second after its last report it reports once it has been idle for 10 s
+    (PostgreSQL's ``PGSTAT_IDLE_INTERVAL``).  A trial's count is read that long after its end.
+    """
+
+    settle_seconds = 11.0
+    description = (
+        "xact_commit + xact_rollback of the caps database (pg_stat_database) from the burst until every "
+        "backend reported (11 s after the last run); includes the benchmark's own few statements (the sender's "
+        "warm-up) and the workers' recovery calls meanwhile (one every 2 s per worker)"
+    )
+
+    def __init__(self, caps_url: str) -> None:
+        self.database = sa.engine.make_url(caps_url).database
+        self.engine = sa.create_engine(service_url("postgres"), isolation_level="AUTOCOMMIT")
+
+    def count(self) -> int:
+        # Autocommit: every read is a transaction of its own, so it sees fresh statistics.
+        with self.engine.connect() as connection:
+            query = "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = :name"
+            return int(connection.execute(sa.text(query), {"name": self.database}).scalar_one())
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+class RedisScriptCalls:
+    """The calls of ``EVAL``, ``EVALSHA`` and ``FCALL`` in the Redis server's ``INFO
+    commandstats``: the Redis store's calls are Lua scripts, kombu's broker traffic is not."""
+
+    settle_seconds = 0.0
+    description = (
+        "EVAL + EVALSHA + FCALL calls (INFO commandstats) over the trial: the store's calls are Lua scripts, "
+        "kombu's are not; server-wide, so anyone else's scripts on this Redis count too "
+        "(the hand-rolled semaphore's among them)"
+    )
+    COMMANDS = ("eval", "evalsha", "fcall")
+
+    def __init__(self, caps_url: str) -> None:
+        self.client = redis.Redis.from_url(caps_url)
+
+    def count(self) -> int:
+        stats = self.client.info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{command}", {}).get("calls", 0)) for command in self.COMMANDS)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def transaction_counter(store: str, caps_url: str) -> PostgresTransactions | RedisScriptCalls | None:
+    """What counts ``store``'s transactions from outside, or None for a store without one here."""
+    if store == "postgresql":
+        return PostgresTransactions(caps_url)
+    if store == "redis":
+        return RedisScriptCalls(caps_url)
+    return None
+
+
 def run(report: Report, options: Options) -> None:
     broker = service_url("redis")
     if reachable(broker):
@@ -103,12 +208,16 @@ def run(report: Report, options: Options) -> None:
     backlog = 60 if options.quick else 400
     # The per-key backlog is smaller: at the utilisation backoff reaches it is the slow one.
     tenant_backlog = 48 if options.quick else 240
+    backlogs = {"global": backlog, "per-key": tenant_backlog}
     repeats = 1 if options.quick else 2
+    task_ms = options.utilisation_task_ms or TASK_MS
     for store in [name for name in options.stores if name in options.utilisation_stores]:
         caps_url, why = caps_url_for(store, options)
         if caps_url is None:
             report.note(f"utilisation benchmarks skip {store}: {why}")
             continue
+        # The baseline's global trials, once it ran: the other strategies' utilisation is divided by its.
+        baseline: list[dict[str, Any]] | None = None
         for number, (strategy, strategy_env) in enumerate(STRATEGIES.items()):
             if options.utilisation_strategies is not None and strategy not in options.utilisation_strategies:
                 continue
@@ -118,15 +227,17 @@ def run(report: Report, options: Options) -> None:
             env.update(strategy_env)
             vacuum_database(caps_url)
             fleet = BenchFleet(env, Path(options.tmp_dir) / "logs")
+            transactions = transaction_counter(store, caps_url)
             workers, concurrency = SMALL_FLEETS.get(strategy, (WORKERS, CONCURRENCY))
             variants = ("global",) if strategy in SMALL_FLEETS else ("global", "per-key")
+            tasks = TASKS.get(strategy, CAPPED_TASKS)
             try:
                 options.log(f"[utilisation] {store}, {strategy}: starting {workers} workers x -c {concurrency}")
-                fleet.start(workers, concurrency)
+                start_fleet(fleet, workers, concurrency, transactions)
                 trials: dict[str, list[dict[str, Any]]] = defaultdict(list)
                 for repeat in range(repeats):
                     for variant in variants:
-                        trial = run_trial(fleet, variant, backlog if variant == "global" else tenant_backlog, options)
+                        trial = run_trial(fleet, variant, tasks[variant], backlogs[variant], task_ms, transactions)
                         trials[variant].append(trial)
                         options.log(
                             f"[utilisation] {store}, {strategy}: {variant} repeat {repeat + 1}/{repeats}: "
@@ -136,29 +247,63 @@ def run(report: Report, options: Options) -> None:
                         if not trial["completed"]:
                             # Put-back copies still held by the workers would run in the next trial.
                             fleet.stop()
-                            fleet.start(workers, concurrency)
-                report_strategy(report, store, strategy, trials, {"global": backlog, "per-key": tenant_backlog})
+                            start_fleet(fleet, workers, concurrency, transactions)
+                report_strategy(
+                    report,
+                    store,
+                    strategy,
+                    trials,
+                    backlogs,
+                    task_ms=task_ms,
+                    baseline=baseline,
+                    transactions=transactions.description if transactions is not None else None,
+                )
+                if strategy == BASELINE:
+                    baseline = trials["global"]
             except Exception as exc:  # the next strategy still runs
                 report.note(f"utilisation on {store}, {strategy} failed: {type(exc).__name__}: {str(exc)[:300]}")
                 options.log(f"[utilisation] {store}, {strategy}: FAILED: {type(exc).__name__}: {str(exc)[:300]}")
             finally:
                 fleet.close()
                 drop_slots(caps_url, prefix)
+                if transactions is not None:
+                    transactions.close()
 
 
-def run_trial(fleet: BenchFleet, variant: str, backlog: int, options: Options) -> dict[str, Any]:
+def start_fleet(
+    fleet: BenchFleet, workers: int, concurrency: int, transactions: PostgresTransactions | RedisScriptCalls | None
+) -> None:
+    """Start ``fleet``'s workers; with ``transactions``, wait until what they ran as they started
+    (their pool processes' warm-up) is counted, so that no trial counts it."""
+    fleet.start(workers, concurrency)
+    if transactions is not None:
+        time.sleep(transactions.settle_seconds)
+
+
+def run_trial(
+    fleet: BenchFleet,
+    variant: str,
+    task: str,
+    backlog: int,
+    task_ms: int,
+    transactions: PostgresTransactions | RedisScriptCalls | None,
+) -> dict[str, Any]:
+    """Send ``backlog`` tasks ``task`` of ``task_ms`` at once to the consuming fleet, wait until
+    they ran, and analyse the runs; ``transactions`` counts the store's over the trial."""
     fleet.reset_records()
+    # A semaphore's holders left by a trial that timed out (fleet.close deletes the rest).
+    stale = list(fleet.redis.scan_iter(match=semaphore_key(fleet.prefix, "*")))
+    if stale:
+        fleet.redis.delete(*stale)
     queue = fleet.new_queue()
     if variant == "global":
-        calls = [("g", TASK_MS)] * backlog
-        task = "bench.global"
-        ideal_seconds = math.ceil(backlog / GLOBAL_LIMIT) * TASK_MS / 1000
+        calls = [("g", task_ms)] * backlog
+        ideal_seconds = math.ceil(backlog / GLOBAL_LIMIT) * task_ms / 1000
     else:
         counts = tenant_counts(backlog)
-        calls = [(tenant, TASK_MS) for tenant, count in counts.items() for _ in range(count)]
+        calls = [(tenant, task_ms) for tenant, count in counts.items() for _ in range(count)]
         random.Random(7).shuffle(calls)
-        task = "bench.tenant"
-        ideal_seconds = max(counts.values()) * TASK_MS / 1000
+        ideal_seconds = max(counts.values()) * task_ms / 1000
     # The fleet is running and consuming when the whole backlog is sent at once (with
     # apply_async): what a burst of work does to a fleet.
     publishes_before = fleet.worker_publishes()
@@ -167,6 +312,7 @@ def run_trial(fleet: BenchFleet, variant: str, backlog: int, options: Options) -
     # up to its 1 s timeout later: let every worker be listening when the burst comes.
     time.sleep(1.2)
     steal = CpuSteal()
+    transactions_before = transactions.count() if transactions is not None else 0
     fleet.fill(queue, task, calls)
     published = fleet.last_fill_published
     deadline = ideal_seconds * 10 + 30
@@ -175,14 +321,19 @@ def run_trial(fleet: BenchFleet, variant: str, backlog: int, options: Options) -
         wait_for(lambda: fleet.redis.llen(fleet.keys["runs"]) >= len(calls), deadline, f"{variant} backlog", 0.05)
     except TimeoutError:
         completed = False
+    ended = time.monotonic()
     fleet.stop_consuming(queue)
     time.sleep(0.2)  # a put-back published just now is still counted
     runs = fleet.runs()
     put_backs = fleet.worker_publishes() - publishes_before
-    result = analyse(variant, runs, published, put_backs)
+    result = analyse(variant, runs, published, put_backs, task_ms)
     result["completed"] = completed
     result["ideal_seconds"] = ideal_seconds
     result["cpu_steal"] = steal.fraction()
+    if transactions is not None:
+        time.sleep(max(0.0, ended + transactions.settle_seconds - time.monotonic()))
+        result["store_transactions"] = transactions.count() - transactions_before
+        result["store_transactions_per_task"] = ratio(result["store_transactions"], len(runs))
     return result
 
 
@@ -208,9 +359,9 @@ def _peak(runs: list[dict[str, Any]], key: str | None = None) -> int:
     return peak
 
 
-def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs: int) -> dict[str, Any]:
+def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs: int, task_ms: int) -> dict[str, Any]:
     done = len(runs)
-    duration = TASK_MS / 1000
+    duration = task_ms / 1000
     if not runs:
         return {"utilisation": math.nan, "deferrals_per_task": math.nan, "completed_tasks": 0}
     first_start = min(run["start"] for run in runs)
@@ -308,8 +459,20 @@ def analyse(variant: str, runs: list[dict[str, Any]], published: int, put_backs:
 
 
 def report_strategy(
-    report: Report, store: str, strategy: str, trials: dict[str, list[dict[str, Any]]], backlogs: dict[str, int]
+    report: Report,
+    store: str,
+    strategy: str,
+    trials: dict[str, list[dict[str, Any]]],
+    backlogs: dict[str, int],
+    *,
+    task_ms: int,
+    baseline: list[dict[str, Any]] | None,
+    transactions: str | None,
 ) -> None:
+    """Add ``strategy``'s figures on ``store``: medians over its ``trials``, per-repeat values in
+    each figure.  ``baseline``: the dedicated queue's global trials of this run, if it ran before;
+    ``transactions``: what the store's transactions per task count, if counted."""
+
     def values(variant: str, name: str) -> list[float]:
         return [trial.get(name, math.nan) for trial in trials[variant]]
 
@@ -326,8 +489,8 @@ def report_strategy(
         utilisation = median(values(variant, "utilisation"))
         if variant == "global":
             throughput = median(values(variant, "throughput"))
-            ideal = GLOBAL_LIMIT / (TASK_MS / 1000)
-            versus = f"{throughput:.1f}/s vs ideal {ideal:.0f}/s (limit {GLOBAL_LIMIT} / {TASK_MS} ms)"
+            ideal = GLOBAL_LIMIT / (task_ms / 1000)
+            versus = f"{throughput:.1f}/s vs ideal {ideal:.0f}/s (limit {GLOBAL_LIMIT} / {task_ms} ms)"
         else:
             versus = "ideal: each tenant's slot busy until its backlog is done"
         if incomplete:
@@ -345,13 +508,38 @@ def report_strategy(
             met=at_least(utilisation, UTILISATION_TARGET),
             detail=detail,
         )
+        if baseline is not None:
+            # Repeat i against the baseline's repeat i (both ran `repeats` trials of this variant).
+            baseline_utilisation = [trial["utilisation"] for trial in baseline]
+            series = [
+                ratio(ours, theirs)
+                for ours, theirs in zip(values(variant, "utilisation"), baseline_utilisation, strict=True)
+            ]
+            label = "slot utilisation / dedicated queue's"
+            against = f"{BASELINE} (uncapped), same run: global utilisation {median(baseline_utilisation):.3f}"
+            if variant != "global":
+                label += " global"
+                against += "; per key against its global figure: the only baseline there is (it cannot cap per key)"
+            report.add(
+                Figure(
+                    PART,
+                    f"{store}, {strategy}, {variant}: {label}",
+                    median(series),
+                    "ratio",
+                    versus=against,
+                    ratio=median(series),
+                    repeats=series,
+                    detail={"baseline_utilisation": baseline_utilisation},
+                )
+            )
         from_headers = median(values(variant, "deferrals_from_headers"))
+        recorded_by = "the runs' request.retries" if strategy == SEMAPHORE else "caps_deferrals headers"
         add(
             variant,
             "re-publishes/completed task",
             "deferrals_per_task",
             "x",
-            versus=f"put-back or wake-up copies, ideal 0; caps_deferrals headers say {from_headers:.2f}",
+            versus=f"put-back or wake-up copies, ideal 0; {recorded_by} say {from_headers:.2f}",
         )
         messages = median(values(variant, "broker_messages_per_task"))
         sent = median(values(variant, "published"))
@@ -364,6 +552,8 @@ def report_strategy(
             target=f"<= {MESSAGES_TARGET}" if strategy == "park" else "",
             met=at_most(messages, MESSAGES_TARGET) if strategy == "park" else None,
         )
+        if transactions is not None:
+            add(variant, "store transactions/completed task", "store_transactions_per_task", "x", versus=transactions)
         add(
             variant,
             "wait p50",
