@@ -154,11 +154,15 @@ def decide(
     max_payload_bytes: int,
     max_wait_seconds: float | None = None,
     now: float | None = None,
+    payload_first: bool = False,
 ) -> Decision:
     """Claim the copy's dispatch, then admit or park it: at most three store calls, one when
-    nothing waits.  ``payload`` builds the message to park (called only when the slots are full).
-    A task whose slots are full and that was first deferred ``max_wait_seconds`` or more before
-    ``now`` (epoch seconds, default the present) gives up instead of parking.
+    nothing waits.  ``payload`` builds the message to park: called only when the slots are full,
+    or, with ``payload_first``, before the first park call, which then parks the task in the same
+    call when its slots are full (one call fewer for a task that waits, the message built for one
+    that runs).  A task whose slots are full and that was first deferred ``max_wait_seconds`` or
+    more before ``now`` (epoch seconds, default the present) gives up instead of parking; it and a
+    message over ``max_payload_bytes`` are never parked by the first call.
 
     Raises:
         StoreError: the store failed; nothing is known of the outcome of the failing call.
@@ -168,9 +172,21 @@ def decide(
         if decision is not None:
             return decision
 
+    waited = (time.time() if now is None else now) - arrival.first_deferred_at
+    waited_too_long = max_wait_seconds is not None and waited >= max_wait_seconds
+    built: list[bytes] = []
+
+    def message() -> bytes:
+        if not built:
+            built.append(payload())
+        return built[0]
+
+    first_payload = None
+    if payload_first and not waited_too_long and len(message()) <= max_payload_bytes:
+        first_payload = message()
     request = ParkRequest(
         arrival.slots, arrival.task_id, new_run_id, arrival.holder, lease_seconds, arrival.first_deferred_at,
-        max_waiters, arrival.task_name, weights=arrival.weights, fair_keys=arrival.fair_keys,
+        max_waiters, arrival.task_name, first_payload, weights=arrival.weights, fair_keys=arrival.fair_keys,
     )  # fmt: skip
     outcome = store.park(request)
     if outcome is ParkOutcome.WAITING:
@@ -186,18 +202,16 @@ def decide(
             return decision
         outcome = store.park(request)  # the dispatch had no live leases: its entry left the list
     if outcome is ParkOutcome.FULL:
-        waited = (time.time() if now is None else now) - arrival.first_deferred_at
-        if max_wait_seconds is not None and waited >= max_wait_seconds:
+        if waited_too_long:
             return Decision(Verdict.GAVE_UP)
-        message = payload()
-        if len(message) > max_payload_bytes:
+        if len(message()) > max_payload_bytes:
             # Too large for the store: the task waits in the list all the same, in its place,
             # and this copy is its message, in the broker.
             outcome = store.park(dataclasses.replace(request, payload=OUTSIDE_PAYLOAD))
             if outcome is ParkOutcome.PARKED:
                 return Decision(Verdict.OUTSIDE)
         else:
-            outcome = store.park(dataclasses.replace(request, payload=message))
+            outcome = store.park(dataclasses.replace(request, payload=message()))
     if outcome is ParkOutcome.ADMITTED:
         return Decision(Verdict.RUN, new_run_id)
     if outcome is ParkOutcome.PARKED:
@@ -263,6 +277,10 @@ def admit(
         task.store_deferred_state(runtime, request, waiting)
         return message
 
+    # The message goes with the first park call, so that a task that waits parks in one call,
+    # unless its wait is stored as DEFERRED first (before its entry: a release may wake it, and it
+    # may finish, at once), which only a full slot decides.
+    payload_first = not task.keeps_deferred_state(runtime, request)
     run_id = uuid.uuid4().hex
     failures = 0
     while True:
@@ -270,7 +288,7 @@ def admit(
             decision = decide(
                 store, arrival, run_id, payload, lease_seconds=settings.lease_seconds,
                 max_waiters=parking.max_waiters, max_payload_bytes=parking.max_payload_bytes,
-                max_wait_seconds=settings.max_wait_seconds,
+                max_wait_seconds=settings.max_wait_seconds, payload_first=payload_first,
             )  # fmt: skip
             runtime.health.answered()
             break

@@ -322,13 +322,18 @@ class CappedTask(Task):  # type: ignore[misc]
                 logger.warning("%s[%s]: could not send %s (%s)", self.name, request.id, DEFERRED_EVENT, exc)
         raise Ignore()
 
-    def store_deferred_state(self, runtime: CapsRuntime, request: Any, waiting: Mapping[str, Any]) -> None:
-        """Store ``DEFERRED`` with ``waiting`` as meta, when there is a backend and results are kept."""
+    def keeps_deferred_state(self, runtime: CapsRuntime, request: Any) -> bool:
+        """Whether a wait of this copy is stored as ``DEFERRED``: ``caps_deferred_state``, a
+        result backend, and results kept."""
         if not runtime.settings.deferred_state or _ignores_result(self, request):
-            return
+            return False
         from celery.backends.base import DisabledBackend
 
-        if isinstance(self.backend, DisabledBackend):
+        return not isinstance(self.backend, DisabledBackend)
+
+    def store_deferred_state(self, runtime: CapsRuntime, request: Any, waiting: Mapping[str, Any]) -> None:
+        """Store ``DEFERRED`` with ``waiting`` as meta, when there is a backend and results are kept."""
+        if not self.keeps_deferred_state(runtime, request):
             return
         try:
             self.update_state(task_id=request.id, state=DEFERRED_STATE, meta=dict(waiting))

@@ -17,7 +17,7 @@ from celery_caps.stores.memory import MemoryStore
 @contextmanager
 def embedded_app(name: str, backend: str | None = None, **settings: Any) -> Iterator[Celery]:
     """An app named ``name`` on ``memory://`` with a fresh ``MemoryStore`` (``caps_url``), no
-    beat sweep, ``settings`` added; closed afterwards.
+    beat sweep, ``settings`` added (a ``caps_url`` among them replaces the store); closed afterwards.
 
     Its default queue is its own: kombu's memory broker is one per process, so a message another
     test left (a woken copy) would reach this test's worker.  The embedded worker leaves the test
@@ -26,12 +26,14 @@ def embedded_app(name: str, backend: str | None = None, **settings: Any) -> Iter
     """
     app = Celery(name, broker="memory://", backend=backend, set_as_current=False)
     app.conf.update(
-        task_default_queue=f"{name}-{uuid.uuid4().hex[:8]}",
-        caps_url=MemoryStore(),
-        caps_sweep_interval_seconds=None,
-        worker_hijack_root_logger=False,
-        worker_redirect_stdouts=False,
-        **settings,
+        {
+            "task_default_queue": f"{name}-{uuid.uuid4().hex[:8]}",
+            "caps_url": MemoryStore(),
+            "caps_sweep_interval_seconds": None,
+            "worker_hijack_root_logger": False,
+            "worker_redirect_stdouts": False,
+            **settings,
+        }
     )
     root_level = logging.getLogger().level
     try:

@@ -422,6 +422,9 @@ def make_machine(target: StoreTarget | None, simulated: bool) -> type[RuleBasedS
                 decision = park.decide(
                     self.store, arrival, run_id, payload, lease_seconds=lease, max_waiters=1000,  # type: ignore[arg-type]
                     max_payload_bytes=MAX_PAYLOAD_BYTES, now=self.clock.time(),
+                    # Both ways a worker parks: the message with the first call (results ignored),
+                    # or only once the slots are full (its DEFERRED state stored first).
+                    payload_first=message.mid % 2 == 0,
                 )  # fmt: skip
             except StoreError as exc:
                 if dispatch:
