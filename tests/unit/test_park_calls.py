@@ -148,7 +148,8 @@ def test_a_worker_sends_the_message_first_unless_it_stores_the_wait(app: Celery)
     store = app.conf.caps_url
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
         # Given the cap's only slot held by another run
-        assert store.acquire(slots_for(kept._caps, (21,), {}), "other-task", "other-run", "elsewhere", LEASE_SECONDS).granted
+        slots = slots_for(kept._caps, (21,), {})
+        assert store.acquire(slots, "other-task", "other-run", "elsewhere", LEASE_SECONDS).granted
         # When a task that ignores its result, then one that keeps it, arrive and park
         results = [ignored.delay(21), kept.delay(21)]
         deadline = time.monotonic() + 10
