@@ -243,6 +243,11 @@ def _define_tasks(app: Celery, prefix: str, env: Mapping[str, str]) -> None:
     def tenant_task(self: Any, tenant: str, ms: float) -> None:
         record(self, tenant, ms)
 
+    # The soak part's task: under the global cap and its tenant's at once.
+    @app.task(name="bench.soak", base=CappedTask, cap=[global_cap, tenant_cap], bind=True, shared=False)
+    def soak_task(self: Any, tenant: str, ms: float) -> None:
+        record(self, tenant, ms)
+
     # bench.global without its cap: the dedicated queue's baseline (a worker's -c is the cap).
     @app.task(name="bench.global_uncapped", base=Task, bind=True, shared=False)
     def global_uncapped_task(self: Any, tenant: str, ms: float) -> None:

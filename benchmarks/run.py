@@ -9,6 +9,9 @@ Parts (``--only`` takes a comma-separated list, all by default):
 * ``growth``: step costs against the waiting list's length, the number of keys and of clients.
 * ``connections``: the PostgreSQL server connections a 3 x 4 prefork fleet holds.
 * ``memory``: the memory of a saturated fleet's processes, capped against uncapped.
+* ``handover``: where a hand-over's time goes, step by step.
+* ``fairness``: a small tenant's wait behind a big one, first come against fair shares.
+* ``soak``: sustained overload: the cap's use and the throughput over minutes.
 
 Prints one table and writes the figures, the machine and the arguments as JSON
 (``benchmarks/results/latest.json`` by default).  See ``benchmarks/README.md``.
@@ -58,9 +61,10 @@ PARTS = {
     "memory": "memory",
     "handover": "handover",
     "fairness": "fairness",
+    "soak": "soak",
 }
 #: The parts that use the shared benchmark databases (dropped at a run's start and end).
-_SHARED_DATABASE_PARTS = {"store", "overhead", "utilisation", "scaling", "handover", "fairness"}
+_SHARED_DATABASE_PARTS = {"store", "overhead", "utilisation", "scaling", "handover", "fairness", "soak"}
 STORES = ("sqlite", "postgresql", "mariadb", "redis")
 
 
