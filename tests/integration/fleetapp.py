@@ -214,11 +214,15 @@ def make_app(env: Mapping[str, str], *, current: bool = True) -> Celery:
     transport_options: dict[str, Any] = {}
     if broker and broker.startswith("redis"):
         # Keep this fleet's broker keys (queues, unacked messages, bindings) apart from
-        # every other test run's; restore unacknowledged messages every second.
+        # every other test run's; restore unacknowledged messages every second.  A worker holds
+        # kombu's restore mutex for the few milliseconds of each restore; a Redis server killed
+        # meanwhile keeps it from its journal for the mutex's expiry (kombu's default: 300 s),
+        # and nothing is restored until then: 10 s here, within the tests' waits.
         transport_options = {
             "global_keyprefix": f"{prefix}kombu:",
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": 10,
         }
         visibility = setting(env, "CAPS_FLEET_VISIBILITY_TIMEOUT")
         if visibility:

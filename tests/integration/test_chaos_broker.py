@@ -35,6 +35,12 @@ each one instead of tolerating anything vaguer:
   'hostname'")`` from its reconnect clean-up, after finishing its running tasks;
   plain Celery without celery-caps does the same.  Such a worker is replaced, as a
   supervisor would, and counted; any other exit fails the test.
+
+One more is the fleet's setting, not a fault to tolerate: kombu restores unacknowledged
+messages under a mutex key (``unacked_mutex``, expiring after 300 s by default).  A server
+killed while a worker holds it keeps it from the journal, and no message is restored until it
+expires (seen in CI: a put-back copy taken at the kill stayed unacknowledged past the test's
+wait).  The fleets set it to expire after 10 s (``tests/integration/fleetapp.py``).
 """
 
 from __future__ import annotations
