@@ -837,6 +837,10 @@ def drop_slots(caps_url: str, prefix: str) -> None:
             limits = f"{store.key_prefix}:limits"
             for name, _ in store.client.hscan_iter(limits, match=f"{prefix}*"):
                 store.client.hdel(limits, name)
+            # The index of keyed slot names (a per-key cap's slots join it as they are admitted).
+            keyed = f"{store.key_prefix}:keyed"
+            for name, _ in store.client.zscan_iter(keyed, match=f"{prefix}*"):
+                store.client.zrem(keyed, name)
             return
         assert isinstance(store, SQLStore)
         with store.engine.begin() as connection:
