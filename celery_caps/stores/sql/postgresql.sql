@@ -239,23 +239,31 @@ END $$
 -- The wake of the waiters of deployment p_deployment that slots p_released (their leases just
 -- deleted, or expired) can now admit, in the caller's transaction: the one waiting-list walk of
 -- this store (the portable store's _wake_after_release and _dispatch, which PostgreSQL never
--- runs).  Lock the slots' sentinels, then (SKIP LOCKED: no lock-order deadlock) those of the
--- other slots their waiters need; walk the waiters of p_deployment of the released slots in
+-- runs).  Lock the slots' sentinels; walk the waiters of p_deployment of the released slots in
 -- their lists' order (round, first deferral, park time, task id: the lists merged, each one's own
--- order kept; a waiter of several slots is considered once, at its first place, its rows of the
--- other slots read then), streaming, and dispatch each whose every slot is locked and has room
+-- order kept), streaming; consider each waiter once, at its first place, with all its rows (a
+-- waiter of several slots: its other slots' sentinels locked then, SKIP LOCKED: no lock-order
+-- deadlock, and one locked elsewhere passes it over); dispatch each whose every slot has room
 -- (and still waits: a readmit or a forget may have taken it since the walk began); stop once
 -- every released slot is full.  (Only the released slots' lists: a list of another slot, full,
--- could hold any number of rows of earlier rounds.)  Room is counted
--- against each slot's limit as its sentinel holds it now (read as the sentinels are locked), never
--- a limit a waiter was parked under; a slot without a limit counts as full.  A waiter has room in a
--- slot when the units its live holders take (each task id once, at its largest weight) leave its
--- weight there (at most the limit) free; the first waiter that does not fit a slot closes it for
--- the rest of the walk (v_full), so that a heavy waiter's room goes to nobody behind it (with every
--- weight 1 a slot a waiter does not fit is full: nothing changes).  Other deployments'
--- waiters are never read (every index with the deployment has it first or right after the slot):
--- they keep their place, for their own deployment's releases and recoveries.  One row per woken
--- waiter.
+-- could hold any number of rows of earlier rounds.)  Room is counted against each slot's limit
+-- as its sentinel holds it now (read as the sentinels are locked), never a limit a waiter was
+-- parked under; a slot without a limit counts as full.  A waiter has room in a slot when the
+-- units its live holders take (each task id once, at its largest weight) leave its weight there
+-- (at most the limit) free; the first waiter that does not fit a slot closes it for the rest of
+-- the walk (v_full), so that a heavy waiter's room goes to nobody behind it (with every weight 1
+-- a slot a waiter does not fit is full: nothing changes).
+--
+-- A release costs the waiters it passes over, never the length of the lists: up to c_merged
+-- released lists are each read by a cursor of its own (an equality on the slot: its index
+-- streams the list in order, unsorted), merged here by their heads.  A closed slot's list is read
+-- no further, and once a slot closes the other lists are read on without the waiters of weight 1
+-- it holds back (a global cap's release, the global slot full again, reads on through its
+-- tenant's list for a waiter that needs the tenant alone, not through every tenant's waiters
+-- behind the global slot).  More released lists (a recovery pass) are read by one cursor, sorted.
+-- Other deployments' waiters are never read (every index with the deployment has it first or
+-- right after the slot): they keep their place, for their own deployment's releases and
+-- recoveries.  One row per woken waiter.
 CREATE OR REPLACE FUNCTION concurrency_slots_wake(
     p_released text[], p_dispatch_lease_seconds double precision, p_deployment text
 ) RETURNS TABLE (
@@ -266,43 +274,68 @@ SET enable_sort = off SET jit = off AS $$
 DECLARE
     -- Waiter rows read between checks that some released slot still has room.
     c_batch constant integer := 64;
-    v_full text[] := '{}';
-    v_found_full text[];
-    v_full_after text[];
+    -- Released lists up to this many are read by a cursor each (see above).
+    c_merged constant integer := 4;
+    v_merged boolean := cardinality(p_released) <= c_merged;
     v_released text[] := p_released;
     v_released_slot text;
     v_waiting boolean := false;
-    v_several text[] := '{}';
-    v_waited text[];
-    v_locked text[];
-    -- The locked slots' limits (their sentinels'), v_limit_values[i] of v_limit_slots[i].
+    -- Slots found full, or closed, in this walk (only dispatches add leases while their sentinels
+    -- are locked), and how many of them the cursors were last opened with.
+    v_full text[] := '{}';
+    v_full_when_opened integer := 0;
+    v_found_full text[];
+    v_full_after text[];
+    -- The locked slots and their limits, v_limit_values[i] of v_limit_slots[i]; slots whose
+    -- sentinel was locked by another transaction (or is missing).
     v_limit_slots text[];
     v_limit_values integer[];
+    v_unlockable text[] := '{}';
+    v_need text[];
     v_more_slots text[];
     v_more_values integer[];
     v_now double precision;
-    v_task text := NULL;
+    -- The waiter considered: its slots, their limits, its weights there.
     v_slots text[];
     v_limits integer[];
     v_weights integer[];
-    v_heavy boolean;
-    v_count integer;
-    v_name text;
-    -- Waiters of several slots considered (their rows read apart): passed by at their other places.
+    -- Waiters of several slots considered: passed by at their other places.
     v_met text[] := '{}';
-    v_consider boolean;
-    l_slot text;
-    l_limit integer;
-    l_weight integer;
-    v_waiters refcursor;
     v_read integer := 0;
     v_check_at integer := c_batch;
+    -- The cursors: cursor i reads the list of c_slot[i] (NULL: of every released slot, sorted)
+    -- from its head row h_*[i] on (h_done[i]: read to its end, or its slot closed).
+    v_reopen boolean := true;
+    v_cursor refcursor;
+    c_cursors refcursor[] := '{}';
+    c_slot text[] := '{}';
+    h_done boolean[] := '{}';
+    h_task text[] := '{}';
+    h_slot text[] := '{}';
+    h_count integer[] := '{}';
+    h_name text[] := '{}';
+    h_weight integer[] := '{}';
+    h_round integer[] := '{}';
+    h_first double precision[] := '{}';
+    h_parked double precision[] := '{}';
+    v_oldest integer;
     f_task text;
     f_slot text;
-    f_limit integer;
     f_count integer;
     f_name text;
     f_weight integer;
+    f_round integer;
+    f_first double precision;
+    f_parked double precision;
+    -- The next row of the oldest head's cursor.
+    n_task text;
+    n_slot text;
+    n_count integer;
+    n_name text;
+    n_weight integer;
+    n_round integer;
+    n_first double precision;
+    n_parked double precision;
 BEGIN
     SELECT coalesce(array_agg(l.slot), '{}'), coalesce(array_agg(l.slot_limit), '{}')
     INTO v_limit_slots, v_limit_values FROM (
@@ -322,88 +355,156 @@ BEGIN
     IF NOT v_waiting THEN
         RETURN;
     END IF;
-    -- The other slots that waiters of several slots need (none for single-slot waiters, the
-    -- common case, which the partial index ix_concurrency_waiters_several tells at once, in its
-    -- order).
-    FOREACH v_released_slot IN ARRAY v_released LOOP
-        v_several := v_several || ARRAY(
-            SELECT x.task_id FROM concurrency_waiters x
-            WHERE x.slot = v_released_slot AND x.deployment = p_deployment AND x.dispatch_run_id IS NULL
-                AND x.slot_count > 1
-            ORDER BY x.slot_count);
-    END LOOP;
-    v_locked := v_released;
-    IF cardinality(v_several) > 0 THEN
-        SELECT coalesce(array_agg(DISTINCT w.slot), '{}') INTO v_waited FROM concurrency_waiters w
-        WHERE w.task_id = ANY(v_several);
-        SELECT coalesce(array_agg(m.slot), '{}'), coalesce(array_agg(m.slot_limit), '{}')
-        INTO v_more_slots, v_more_values FROM (
-            SELECT c.slot, c.slot_limit FROM concurrency_slots c
-            WHERE c.run_id = '' AND c.slot = ANY(v_waited) AND NOT (c.slot = ANY(v_released))
-            ORDER BY c.slot FOR UPDATE SKIP LOCKED) m;
-        v_locked := v_released || v_more_slots;
-        v_limit_slots := v_limit_slots || v_more_slots;
-        v_limit_values := v_limit_values || v_more_values;
-    END IF;
     -- The limits to count against, the operators' where set: read after the locks, in a statement
     -- of its own (a fresh snapshot), so that a limit set before they were granted is seen.
     v_limit_values := ARRAY(
         SELECT concurrency_slots_limit(u.slot, u.slot_limit)
         FROM unnest(v_limit_slots, v_limit_values) WITH ORDINALITY AS u(slot, slot_limit, n) ORDER BY u.n);
     v_now := concurrency_slots_now();
-    -- One waiter's rows of one round are adjacent in this order (in lists without fair keys,
-    -- all of its rows of these lists), read as they come (a long list is not read to its end);
-    -- after the last row FETCH sets the f_ variables to NULL, which closes the last waiter.  (A tombstone keeps
-    -- its dispatch's run id: never read here.)  (One slot: an equality, so the list's index
-    -- streams it in order, unsorted.)
-    IF cardinality(v_released) = 1 THEN
-        OPEN v_waiters FOR
-            SELECT w.task_id, w.slot, w.slot_count, w.task_name, w.weight FROM concurrency_waiters w
-            WHERE w.slot = v_released[1] AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
-            ORDER BY w.fair_round, w.first_deferred_at, w.parked_at, w.task_id;
+    IF v_merged THEN
+        c_slot := v_released;
     ELSE
-        OPEN v_waiters FOR
-            SELECT w.task_id, w.slot, w.slot_count, w.task_name, w.weight FROM concurrency_waiters w
-            WHERE w.slot = ANY(v_released) AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
-            ORDER BY w.fair_round, w.first_deferred_at, w.parked_at, w.task_id;
+        c_slot := ARRAY[NULL::text];
     END IF;
+    FOR i IN 1 .. cardinality(c_slot) LOOP
+        c_cursors := c_cursors || NULL::refcursor;
+        h_done := h_done || false;
+        -- Before every row.
+        h_round := h_round || -1;
+        h_first := h_first || '-infinity'::double precision;
+        h_parked := h_parked || '-infinity'::double precision;
+        h_task := h_task || ''::text;
+        h_slot := h_slot || NULL::text;
+        h_count := h_count || 0;
+        h_name := h_name || NULL::text;
+        h_weight := h_weight || 0;
+    END LOOP;
     LOOP
-        FETCH v_waiters INTO f_task, f_slot, f_count, f_name, f_weight;
-        -- The slot's limit (its sentinel's; none: 0, full).
-        f_limit := coalesce(v_limit_values[array_position(v_limit_slots, f_slot)], 0);
-        IF v_task IS NOT NULL AND f_task IS DISTINCT FROM v_task THEN
-            -- Waiter v_task's rows of this round are read: it is considered here (its first place
-            -- among these lists), unless it was already.
-            v_consider := NOT (v_task = ANY(v_met));
-            IF v_consider AND cardinality(v_slots) < v_count THEN
-                -- Its rows of the other locked slots, and of other rounds (a fair key in one of
-                -- its slots: elsewhere in the order, passed by there), read now.  (Only a
-                -- waiter of several slots comes this way.)
-                v_met := v_met || v_task;
-                v_slots := '{}';
-                v_limits := '{}';
-                v_weights := '{}';
-                v_heavy := false;
-                -- (By its task id alone: its rows are all of p_deployment, one park made them; a
-                -- deployment's index here would read all of the deployment's waiters.)
-                FOR l_slot, l_weight IN
-                    SELECT w.slot, w.weight FROM concurrency_waiters w
-                    WHERE w.task_id = v_task AND w.slot = ANY(v_locked) AND w.dispatch_run_id IS NULL
-                LOOP
-                    l_limit := coalesce(v_limit_values[array_position(v_limit_slots, l_slot)], 0);
-                    v_slots := v_slots || l_slot;
-                    v_limits := v_limits || l_limit;
-                    v_weights := v_weights || l_weight;
-                    v_heavy := v_heavy OR l_weight > 1;
-                END LOOP;
+        IF v_reopen THEN
+            -- (Re)open each cursor still reading at its head row, passing over the waiters of
+            -- weight 1 that a closed slot holds back (a heavy one is considered: the other slots
+            -- it does not fit close too).  A tombstone keeps its dispatch's run id: never read.
+            v_reopen := false;
+            v_full_when_opened := cardinality(v_full);
+            FOR i IN 1 .. cardinality(c_slot) LOOP
+                CONTINUE WHEN h_done[i];
+                IF c_cursors[i] IS NOT NULL THEN
+                    v_cursor := c_cursors[i];
+                    CLOSE v_cursor;
+                END IF;
+                v_cursor := NULL;
+                IF c_slot[i] IS NOT NULL THEN
+                    OPEN v_cursor FOR
+                        SELECT w.task_id, w.slot, w.slot_count, w.task_name, w.weight, w.fair_round,
+                            w.first_deferred_at, w.parked_at
+                        FROM concurrency_waiters w
+                        WHERE w.slot = c_slot[i] AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
+                            AND (w.fair_round, w.first_deferred_at, w.parked_at, w.task_id)
+                                >= (h_round[i], h_first[i], h_parked[i], h_task[i])
+                            AND (cardinality(v_full) = 0 OR w.slot_count = 1 OR NOT EXISTS (
+                                SELECT 1 FROM concurrency_waiters o
+                                WHERE o.task_id = w.task_id AND o.slot = ANY(v_full) AND o.dispatch_run_id IS NULL)
+                            OR EXISTS (
+                                SELECT 1 FROM concurrency_waiters o
+                                WHERE o.task_id = w.task_id AND o.weight > 1 AND o.dispatch_run_id IS NULL))
+                        ORDER BY w.fair_round, w.first_deferred_at, w.parked_at, w.task_id;
+                ELSE
+                    OPEN v_cursor FOR
+                        SELECT w.task_id, w.slot, w.slot_count, w.task_name, w.weight, w.fair_round,
+                            w.first_deferred_at, w.parked_at
+                        FROM concurrency_waiters w
+                        WHERE w.slot = ANY(v_released) AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
+                        ORDER BY w.fair_round, w.first_deferred_at, w.parked_at, w.task_id;
+                END IF;
+                c_cursors[i] := v_cursor;
+                FETCH v_cursor INTO f_task, f_slot, f_count, f_name, f_weight, f_round, f_first, f_parked;
+                IF FOUND THEN
+                    h_task[i] := f_task;
+                    h_slot[i] := f_slot;
+                    h_count[i] := f_count;
+                    h_name[i] := f_name;
+                    h_weight[i] := f_weight;
+                    h_round[i] := f_round;
+                    h_first[i] := f_first;
+                    h_parked[i] := f_parked;
+                ELSE
+                    h_done[i] := true;
+                    CLOSE v_cursor;
+                END IF;
+            END LOOP;
+        END IF;
+        -- The oldest head row, and its cursor moved on.
+        v_oldest := NULL;
+        FOR i IN 1 .. cardinality(c_slot) LOOP
+            IF NOT h_done[i] AND (v_oldest IS NULL
+                OR (h_round[i], h_first[i], h_parked[i], h_task[i])
+                    < (h_round[v_oldest], h_first[v_oldest], h_parked[v_oldest], h_task[v_oldest])) THEN
+                v_oldest := i;
             END IF;
-            -- Waiter v_task is complete: dispatch it if it waits for a released slot, all its
-            -- slots are locked here and each has room (or is held by it already); a waiter
-            -- passed over keeps its place.  v_full: slots found full, or closed, in this walk
-            -- (only dispatches add leases while their sentinels are locked), so a waiter needing
-            -- one is passed over without a count; unless it is heavy: the other slots it does not
-            -- fit close too.
-            IF v_consider AND cardinality(v_slots) = v_count AND (NOT (v_slots && v_full) OR v_heavy) THEN
+        END LOOP;
+        EXIT WHEN v_oldest IS NULL;
+        f_task := h_task[v_oldest];
+        f_slot := h_slot[v_oldest];
+        f_count := h_count[v_oldest];
+        f_name := h_name[v_oldest];
+        f_weight := h_weight[v_oldest];
+        v_cursor := c_cursors[v_oldest];
+        FETCH v_cursor INTO n_task, n_slot, n_count, n_name, n_weight, n_round, n_first, n_parked;
+        IF FOUND THEN
+            h_task[v_oldest] := n_task;
+            h_slot[v_oldest] := n_slot;
+            h_count[v_oldest] := n_count;
+            h_name[v_oldest] := n_name;
+            h_weight[v_oldest] := n_weight;
+            h_round[v_oldest] := n_round;
+            h_first[v_oldest] := n_first;
+            h_parked[v_oldest] := n_parked;
+        ELSE
+            h_done[v_oldest] := true;
+            CLOSE v_cursor;
+        END IF;
+        v_read := v_read + 1;
+        -- Waiter f_task, at its first place in these lists: its slots and weights there.
+        IF f_count = 1 THEN
+            v_slots := ARRAY[f_slot];
+            v_weights := ARRAY[f_weight];
+        ELSIF f_task = ANY(v_met) THEN
+            v_slots := NULL;
+        ELSE
+            v_met := v_met || f_task;
+            -- (By its task id alone: its rows are all of p_deployment, one park made them; a
+            -- deployment's index here would read all of the deployment's waiters.)
+            SELECT array_agg(w.slot ORDER BY w.slot), array_agg(w.weight ORDER BY w.slot)
+            INTO v_slots, v_weights
+            FROM concurrency_waiters w WHERE w.task_id = f_task AND w.dispatch_run_id IS NULL;
+            -- Its slots not locked yet: locked now, unless another transaction holds one (then
+            -- it is passed over: that slot's release, or recovery, serves it).
+            v_need := ARRAY(
+                SELECT s.slot FROM unnest(v_slots) AS s(slot)
+                WHERE NOT (s.slot = ANY(v_limit_slots)) AND NOT (s.slot = ANY(v_unlockable)));
+            IF cardinality(v_need) > 0 THEN
+                SELECT coalesce(array_agg(m.slot), '{}'), coalesce(array_agg(m.slot_limit), '{}')
+                INTO v_more_slots, v_more_values FROM (
+                    SELECT c.slot, c.slot_limit FROM concurrency_slots c
+                    WHERE c.run_id = '' AND c.slot = ANY(v_need) ORDER BY c.slot FOR UPDATE SKIP LOCKED) m;
+                v_more_values := ARRAY(
+                    SELECT concurrency_slots_limit(u.slot, u.slot_limit)
+                    FROM unnest(v_more_slots, v_more_values) WITH ORDINALITY AS u(slot, slot_limit, n) ORDER BY u.n);
+                v_limit_slots := v_limit_slots || v_more_slots;
+                v_limit_values := v_limit_values || v_more_values;
+                v_unlockable := v_unlockable || ARRAY(
+                    SELECT s.slot FROM unnest(v_need) AS s(slot) WHERE NOT (s.slot = ANY(v_more_slots)));
+            END IF;
+        END IF;
+        -- Dispatch it if all its slots are locked here and each has room (or is held by it
+        -- already); a waiter passed over keeps its place.  A waiter needing a slot found full or
+        -- closed is passed over without a count; unless it is heavy: the other slots it does not
+        -- fit close too.
+        IF v_slots IS NOT NULL AND cardinality(v_slots) = f_count AND NOT (v_slots && v_unlockable) THEN
+            v_limits := ARRAY(
+                SELECT coalesce(v_limit_values[array_position(v_limit_slots, s.slot)], 0)
+                FROM unnest(v_slots) WITH ORDINALITY AS s(slot, n) ORDER BY s.n);
+            IF NOT (v_slots && v_full) OR 1 < ANY(v_weights) THEN
                 -- Without room now (for this waiter: a slot it holds already has room for it), and
                 -- full once it takes its place (so that no count is needed after the dispatch).
                 SELECT coalesce(array_agg(u.slot) FILTER (
@@ -418,60 +519,61 @@ BEGIN
                     FROM unnest(v_slots, v_limits, v_weights) AS s(slot, slot_limit, weight)
                     CROSS JOIN LATERAL (
                         SELECT bool_or(t.mine) AS held, sum(least(t.w, s.slot_limit)) AS units
-                        FROM (SELECT max(c.weight) AS w, bool_or(c.task_id = v_task) AS mine FROM concurrency_slots c
+                        FROM (SELECT max(c.weight) AS w, bool_or(c.task_id = f_task) AS mine FROM concurrency_slots c
                               WHERE c.slot = s.slot AND c.expires_at > v_now GROUP BY c.task_id) t) h) u;
                 v_full := v_full || v_found_full;
             END IF;
-            IF v_consider AND cardinality(v_slots) = v_count AND NOT (v_slots && v_full) THEN
-                o_run_id := md5(random()::text || clock_timestamp()::text || v_task);
+            IF NOT (v_slots && v_full) THEN
+                o_run_id := md5(random()::text || clock_timestamp()::text || f_task);
                 -- The entry answers for the task until a copy claims it (or the deadline passes).
                 UPDATE concurrency_waiters w SET dispatch_run_id = o_run_id,
                     dispatch_expires_at = v_now + p_dispatch_lease_seconds, dispatches = w.dispatches + 1
-                WHERE w.task_id = v_task AND w.dispatch_run_id IS NULL;
+                WHERE w.task_id = f_task AND w.dispatch_run_id IS NULL;
                 IF FOUND THEN
-                    o_task_id := v_task;
-                    o_task_name := v_name;
-                    PERFORM concurrency_slots_insert_leases(v_slots, v_weights, v_task, o_run_id, 'caps-dispatch',
-                        p_dispatch_lease_seconds, v_name, v_now);
-                    SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = v_task LIMIT 1;
+                    o_task_id := f_task;
+                    o_task_name := f_name;
+                    PERFORM concurrency_slots_insert_leases(v_slots, v_weights, f_task, o_run_id, 'caps-dispatch',
+                        p_dispatch_lease_seconds, f_name, v_now);
+                    SELECT w.payload INTO o_payload FROM concurrency_waiters w WHERE w.task_id = f_task LIMIT 1;
                     RETURN NEXT;
                     -- The slots this dispatch filled.
                     v_full := v_full || v_full_after;
                 END IF;
             END IF;
-            -- Stop once every released slot is known full: the room this release freed is
-            -- handed out (other slots gain room only by their own releases, or by expiry,
-            -- which recovery serves).
-            EXIT WHEN v_released <@ v_full;
-            -- Every c_batch rows, stop once every released slot is full or closed.  (Units not
-            -- capped at the limit: "units >= limit" comes out the same either way.)
-            IF v_read >= v_check_at THEN
-                EXIT WHEN NOT EXISTS (
-                    SELECT 1 FROM unnest(v_limit_slots, v_limit_values) AS u(slot, slot_limit)
-                    WHERE u.slot = ANY(v_released) AND NOT (u.slot = ANY(v_full)) AND (
-                        SELECT coalesce(sum(t.w), 0) FROM (
-                            SELECT max(c.weight) AS w FROM concurrency_slots c
-                            WHERE c.slot = u.slot AND c.expires_at > v_now GROUP BY c.task_id) t) < u.slot_limit);
-                v_check_at := v_read + c_batch;
-            END IF;
         END IF;
-        EXIT WHEN f_task IS NULL;
-        v_read := v_read + 1;
-        IF f_task IS DISTINCT FROM v_task THEN
-            v_task := f_task;
-            v_slots := '{}';
-            v_limits := '{}';
-            v_weights := '{}';
-            v_heavy := false;
-            v_count := f_count;
-            v_name := f_name;
+        -- Stop once every released slot is known full: the room this release freed is handed out
+        -- (other slots gain room only by their own releases, or by expiry, which recovery serves).
+        EXIT WHEN v_released <@ v_full;
+        -- Every c_batch rows, stop once every released slot is full or closed.  (Units not capped
+        -- at the limit: "units >= limit" comes out the same either way.)
+        IF v_read >= v_check_at THEN
+            EXIT WHEN NOT EXISTS (
+                SELECT 1 FROM unnest(v_limit_slots, v_limit_values) AS u(slot, slot_limit)
+                WHERE u.slot = ANY(v_released) AND NOT (u.slot = ANY(v_full)) AND (
+                    SELECT coalesce(sum(t.w), 0) FROM (
+                        SELECT max(c.weight) AS w FROM concurrency_slots c
+                        WHERE c.slot = u.slot AND c.expires_at > v_now GROUP BY c.task_id) t) < u.slot_limit);
+            v_check_at := v_read + c_batch;
         END IF;
-        v_slots := v_slots || f_slot;
-        v_limits := v_limits || f_limit;
-        v_weights := v_weights || f_weight;
-        v_heavy := v_heavy OR f_weight > 1;
+        -- A slot closed since the cursors were opened: its own list is read no further, and the
+        -- others are read again from their heads without the waiters it holds back.
+        IF v_merged AND cardinality(v_full) > v_full_when_opened THEN
+            FOR i IN 1 .. cardinality(c_slot) LOOP
+                IF NOT h_done[i] AND c_slot[i] = ANY(v_full) THEN
+                    h_done[i] := true;
+                    v_cursor := c_cursors[i];
+                    CLOSE v_cursor;
+                END IF;
+            END LOOP;
+            v_reopen := true;
+        END IF;
     END LOOP;
-    CLOSE v_waiters;
+    FOR i IN 1 .. cardinality(c_slot) LOOP
+        IF NOT h_done[i] THEN
+            v_cursor := c_cursors[i];
+            CLOSE v_cursor;
+        END IF;
+    END LOOP;
 END $$
 ;
 
