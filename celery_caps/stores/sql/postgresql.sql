@@ -291,9 +291,9 @@ DECLARE
     v_limit_slots text[];
     v_limit_values integer[];
     v_unlockable text[] := '{}';
-    v_need text[];
-    v_more_slots text[];
-    v_more_values integer[];
+    l_slot text;
+    l_limit integer;
+    l_weight integer;
     v_now double precision;
     -- The waiter considered: its slots, their limits, its weights there.
     v_slots text[];
@@ -320,14 +320,12 @@ DECLARE
     h_parked double precision[] := '{}';
     v_oldest integer;
     f_task text;
-    f_slot text;
     f_count integer;
     f_name text;
-    f_weight integer;
     f_round integer;
     f_first double precision;
     f_parked double precision;
-    -- The next row of the oldest head's cursor.
+    -- A cursor's next row.
     n_task text;
     n_slot text;
     n_count integer;
@@ -417,23 +415,24 @@ BEGIN
                         ORDER BY w.fair_round, w.first_deferred_at, w.parked_at, w.task_id;
                 END IF;
                 c_cursors[i] := v_cursor;
-                FETCH v_cursor INTO f_task, f_slot, f_count, f_name, f_weight, f_round, f_first, f_parked;
+                FETCH v_cursor INTO n_task, n_slot, n_count, n_name, n_weight, n_round, n_first, n_parked;
                 IF FOUND THEN
-                    h_task[i] := f_task;
-                    h_slot[i] := f_slot;
-                    h_count[i] := f_count;
-                    h_name[i] := f_name;
-                    h_weight[i] := f_weight;
-                    h_round[i] := f_round;
-                    h_first[i] := f_first;
-                    h_parked[i] := f_parked;
+                    h_task[i] := n_task;
+                    h_slot[i] := n_slot;
+                    h_count[i] := n_count;
+                    h_name[i] := n_name;
+                    h_weight[i] := n_weight;
+                    h_round[i] := n_round;
+                    h_first[i] := n_first;
+                    h_parked[i] := n_parked;
                 ELSE
                     h_done[i] := true;
                     CLOSE v_cursor;
                 END IF;
             END LOOP;
         END IF;
-        -- The oldest head row, and its cursor moved on.
+        -- The oldest head row, and the rows of the same waiter at the same place in the other
+        -- lists (the oldest heads after it), each cursor moved on.
         v_oldest := NULL;
         FOR i IN 1 .. cardinality(c_slot) LOOP
             IF NOT h_done[i] AND (v_oldest IS NULL
@@ -444,56 +443,75 @@ BEGIN
         END LOOP;
         EXIT WHEN v_oldest IS NULL;
         f_task := h_task[v_oldest];
-        f_slot := h_slot[v_oldest];
         f_count := h_count[v_oldest];
         f_name := h_name[v_oldest];
-        f_weight := h_weight[v_oldest];
-        v_cursor := c_cursors[v_oldest];
-        FETCH v_cursor INTO n_task, n_slot, n_count, n_name, n_weight, n_round, n_first, n_parked;
-        IF FOUND THEN
-            h_task[v_oldest] := n_task;
-            h_slot[v_oldest] := n_slot;
-            h_count[v_oldest] := n_count;
-            h_name[v_oldest] := n_name;
-            h_weight[v_oldest] := n_weight;
-            h_round[v_oldest] := n_round;
-            h_first[v_oldest] := n_first;
-            h_parked[v_oldest] := n_parked;
-        ELSE
-            h_done[v_oldest] := true;
-            CLOSE v_cursor;
-        END IF;
-        v_read := v_read + 1;
-        -- Waiter f_task, at its first place in these lists: its slots and weights there.
-        IF f_count = 1 THEN
-            v_slots := ARRAY[f_slot];
-            v_weights := ARRAY[f_weight];
-        ELSIF f_task = ANY(v_met) THEN
+        f_round := h_round[v_oldest];
+        f_first := h_first[v_oldest];
+        f_parked := h_parked[v_oldest];
+        v_slots := '{}';
+        v_limits := '{}';
+        v_weights := '{}';
+        LOOP
+            v_slots := v_slots || h_slot[v_oldest];
+            v_limits := v_limits || coalesce(v_limit_values[array_position(v_limit_slots, h_slot[v_oldest])], 0);
+            v_weights := v_weights || h_weight[v_oldest];
+            v_cursor := c_cursors[v_oldest];
+            FETCH v_cursor INTO n_task, n_slot, n_count, n_name, n_weight, n_round, n_first, n_parked;
+            IF FOUND THEN
+                h_task[v_oldest] := n_task;
+                h_slot[v_oldest] := n_slot;
+                h_count[v_oldest] := n_count;
+                h_name[v_oldest] := n_name;
+                h_weight[v_oldest] := n_weight;
+                h_round[v_oldest] := n_round;
+                h_first[v_oldest] := n_first;
+                h_parked[v_oldest] := n_parked;
+            ELSE
+                h_done[v_oldest] := true;
+                CLOSE v_cursor;
+            END IF;
+            v_read := v_read + 1;
+            EXIT WHEN f_count = 1;
+            v_oldest := NULL;
+            FOR i IN 1 .. cardinality(c_slot) LOOP
+                IF NOT h_done[i] AND h_task[i] = f_task AND (h_round[i], h_first[i], h_parked[i])
+                        = (f_round, f_first, f_parked) THEN
+                    v_oldest := i;
+                END IF;
+            END LOOP;
+            EXIT WHEN v_oldest IS NULL;
+        END LOOP;
+        -- A waiter of several slots: considered once, at its first place in these lists; if not all
+        -- its rows are there, it is passed by at its other places (v_met), and its rows of other
+        -- slots (and of other rounds) are read now, their sentinels, if not locked yet, locked
+        -- unless another transaction holds one (then it is passed over: that slot's release, or
+        -- recovery, serves it).  (By its task id alone: its rows are all of p_deployment, one
+        -- park made them; a deployment's index here would read all of the deployment's waiters.)
+        IF f_count > 1 AND cardinality(v_met) > 0 AND f_task = ANY(v_met) THEN
             v_slots := NULL;
-        ELSE
-            v_met := v_met || f_task;
-            -- (By its task id alone: its rows are all of p_deployment, one park made them; a
-            -- deployment's index here would read all of the deployment's waiters.)
-            SELECT array_agg(w.slot ORDER BY w.slot), array_agg(w.weight ORDER BY w.slot)
-            INTO v_slots, v_weights
-            FROM concurrency_waiters w WHERE w.task_id = f_task AND w.dispatch_run_id IS NULL;
-            -- Its slots not locked yet: locked now, unless another transaction holds one (then
-            -- it is passed over: that slot's release, or recovery, serves it).
-            v_need := ARRAY(
-                SELECT s.slot FROM unnest(v_slots) AS s(slot)
-                WHERE NOT (s.slot = ANY(v_limit_slots)) AND NOT (s.slot = ANY(v_unlockable)));
-            IF cardinality(v_need) > 0 THEN
-                SELECT coalesce(array_agg(m.slot), '{}'), coalesce(array_agg(m.slot_limit), '{}')
-                INTO v_more_slots, v_more_values FROM (
-                    SELECT c.slot, c.slot_limit FROM concurrency_slots c
-                    WHERE c.run_id = '' AND c.slot = ANY(v_need) ORDER BY c.slot FOR UPDATE SKIP LOCKED) m;
-                v_more_values := ARRAY(
-                    SELECT concurrency_slots_limit(u.slot, u.slot_limit)
-                    FROM unnest(v_more_slots, v_more_values) WITH ORDINALITY AS u(slot, slot_limit, n) ORDER BY u.n);
-                v_limit_slots := v_limit_slots || v_more_slots;
-                v_limit_values := v_limit_values || v_more_values;
-                v_unlockable := v_unlockable || ARRAY(
-                    SELECT s.slot FROM unnest(v_need) AS s(slot) WHERE NOT (s.slot = ANY(v_more_slots)));
+        ELSIF f_count > 1 THEN
+            IF cardinality(v_slots) < f_count THEN
+                v_met := v_met || f_task;
+                FOR l_slot, l_weight IN
+                    SELECT w.slot, w.weight FROM concurrency_waiters w
+                    WHERE w.task_id = f_task AND w.dispatch_run_id IS NULL AND NOT (w.slot = ANY(v_slots))
+                LOOP
+                    IF NOT (l_slot = ANY(v_limit_slots)) AND NOT (l_slot = ANY(v_unlockable)) THEN
+                        SELECT c.slot_limit INTO l_limit FROM concurrency_slots c
+                        WHERE c.run_id = '' AND c.slot = l_slot FOR UPDATE SKIP LOCKED;
+                        IF FOUND THEN
+                            -- (Read after the lock, in a statement of its own, as above.)
+                            l_limit := concurrency_slots_limit(l_slot, l_limit);
+                            v_limit_slots := v_limit_slots || l_slot;
+                            v_limit_values := v_limit_values || l_limit;
+                        ELSE
+                            v_unlockable := v_unlockable || l_slot;
+                        END IF;
+                    END IF;
+                    v_slots := v_slots || l_slot;
+                    v_limits := v_limits || coalesce(v_limit_values[array_position(v_limit_slots, l_slot)], 0);
+                    v_weights := v_weights || l_weight;
+                END LOOP;
             END IF;
         END IF;
         -- Dispatch it if all its slots are locked here and each has room (or is held by it
@@ -501,9 +519,6 @@ BEGIN
         -- closed is passed over without a count; unless it is heavy: the other slots it does not
         -- fit close too.
         IF v_slots IS NOT NULL AND cardinality(v_slots) = f_count AND NOT (v_slots && v_unlockable) THEN
-            v_limits := ARRAY(
-                SELECT coalesce(v_limit_values[array_position(v_limit_slots, s.slot)], 0)
-                FROM unnest(v_slots) WITH ORDINALITY AS s(slot, n) ORDER BY s.n);
             IF NOT (v_slots && v_full) OR 1 < ANY(v_weights) THEN
                 -- Without room now (for this waiter: a slot it holds already has room for it), and
                 -- full once it takes its place (so that no count is needed after the dispatch).
