@@ -12,6 +12,7 @@ Parts (``--only`` takes a comma-separated list, all by default):
 * ``handover``: where a hand-over's time goes, step by step.
 * ``fairness``: a small tenant's wait behind a big one, first come against fair shares.
 * ``soak``: sustained overload: the cap's use and the throughput over minutes.
+* ``two-caps``: the hand-over of a task with a global cap and a tenant's, as the backlog grows.
 
 Prints one table and writes the figures, the machine and the arguments as JSON
 (``benchmarks/results/latest.json`` by default).  See ``benchmarks/README.md``.
@@ -62,6 +63,7 @@ PARTS = {
     "handover": "handover",
     "fairness": "fairness",
     "soak": "soak",
+    "two-caps": "two_caps",
 }
 #: The parts that use the shared benchmark databases (dropped at a run's start and end).
 _SHARED_DATABASE_PARTS = {"store", "overhead", "utilisation", "scaling", "handover", "fairness", "soak"}

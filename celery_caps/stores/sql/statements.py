@@ -343,14 +343,13 @@ TEMPLATES: dict[str, str] = {
         "AND (parked_at > :parked OR (parked_at = :parked AND task_id >= :task_id)))))) "
         "ORDER BY fair_round, first_deferred_at, parked_at, task_id LIMIT :batch"
     ),
-    # The rows of :slots of the waiters :task_ids of several slots that a walk met (their rows of
-    # slots it does not walk, and of other rounds: elsewhere in its order, or beyond what it
-    # read).  By their task ids alone: their rows are all of the deployment the walk read them for
-    # (one park made each entry), and a condition on the deployment could lead a planner to an
-    # index of the deployment, all of its waiters.
+    # The rows of the waiters :task_ids of several slots that a walk met (their rows of slots it
+    # does not walk, and of other rounds: elsewhere in its order, or beyond what it read).  By
+    # their task ids alone: their rows are all of the deployment the walk read them for (one park
+    # made each entry), and a condition on the deployment could lead a planner to an index of the
+    # deployment, all of its waiters.
     "waiting_rows_of_tasks": (
-        "SELECT task_id, slot, weight FROM concurrency_waiters WHERE task_id IN :task_ids AND slot IN :slots "
-        "AND dispatch_run_id IS NULL"
+        "SELECT task_id, slot, weight FROM concurrency_waiters WHERE task_id IN :task_ids AND dispatch_run_id IS NULL"
     ),
     # The round of a new entry of fair key :fair_key in the slot :slot (see ParkingStore, "Fair
     # shares"): the list's first round (of its listed entries of :deployment) and the key's last

@@ -15,9 +15,11 @@ deployment's entries: the others keep their place, for their own deployment to d
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 import uuid
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -42,12 +44,21 @@ from .statements import admission_params
 
 #: Waiter rows read per batch when a release looks for waiters to dispatch.
 WAITING_BATCH = 64
+#: Released lists up to this many are each read apart, and merged, by a release's walk (more, as
+#: a recovery pass walks, are read together, sorted by the database).
+MERGED_LISTS = 4
 #: Earlier than any first-deferral or park time (a finite number: MySQL has no infinity).
 _BEFORE_ANY_TIME = -1e300
 #: Reads of a task's entry by ``forget`` while other steps keep changing it.
 _FORGET_ATTEMPTS = 5
 #: The payload of a tombstone: the task is gone, and so are its arguments (the column is NOT NULL).
 NO_PAYLOAD = b""
+
+
+def _place(row: Sequence[Any]) -> tuple[Any, ...]:
+    """A waiting row's place in its list (``waiting_rows``' order): round, first deferral, park
+    time, task id."""
+    return (row[3], row[4], row[5], as_text(row[0]))
 
 
 class SQLStore(SQLLeaseStore, ParkingStore):
@@ -165,65 +176,77 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         weight 1, a slot it does not fit is full anyway).  Waiters are read from the lists of the
         slots ``touching`` (all of ``locked`` without it) in their order (round, first deferral,
         park time, task id: the lists merged, each list's own order kept) a batch at a time, each
-        considered once, at its first place (a waiter of several slots with its rows of the other
-        locked slots read then), and reading stops once every one of those slots is full or
-        closed: a release with a long waiting list reads a few rows, not all, and never the list
-        of another slot (full, it could hold any number of rows of earlier rounds).  A waiter
-        passed over (a slot of it closed, or not locked here) keeps its place.
+        considered once, at its first place, with its rows of its other slots: their sentinels,
+        if not locked yet, are locked then without waiting (a waiter needing one another
+        transaction holds is passed over: that slot's release, or recovery, serves it).  A closed
+        slot's list is read no further (up to :data:`MERGED_LISTS` lists are each read apart and
+        merged here, so that a closed one stops and none is sorted whole), and reading stops once
+        every one of those slots is full or closed: a release costs the waiters it passes over,
+        never the length of the lists, and never reads the list of another slot (full, it could
+        hold any number of rows of earlier rounds).  A waiter passed over keeps its place.
         """
         walked = [slot for slot in locked if touching is None or slot in touching]
         if not walked:
             return []
         statements = self.statements
         limits: dict[str, int] = defaultdict(int)
-        for slot, limit in statements.execute(connection, "slot_limits", {"slots": locked}):
-            limits[as_text(slot)] = int(limit or 0)
         live: dict[str, dict[str, int]] = defaultdict(dict)  # slot -> live task id -> its largest weight
         units: dict[str, int] = defaultdict(int)
-        for slot, task_id, weight in statements.execute(connection, "live", {"slots": locked}):
-            slot = as_text(slot)
-            live[slot][as_text(task_id)] = int(weight)
-            units[slot] += min(int(weight), limits[slot])
+
+        def read_room(slots: Sequence[str]) -> None:
+            """Read the limits and live holders of ``slots`` (their sentinels just locked)."""
+            for slot, limit in statements.execute(connection, "slot_limits", {"slots": slots}):
+                limits[as_text(slot)] = int(limit or 0)
+            for slot, task_id, weight in statements.execute(connection, "live", {"slots": slots}):
+                slot = as_text(slot)
+                live[slot][as_text(task_id)] = int(weight)
+                units[slot] += min(int(weight), limits[slot])
+
+        read_room(locked)
+        held = set(locked)
+        unlockable: set[str] = set()  # sentinels another transaction holds (or missing)
         closed: set[str] = set()
         met: set[str] = set()  # the waiters considered (a waiter's rows of other rounds come later)
         chosen: list[tuple[str, str]] = []
-        after: dict[str, Any] = {"round": -1, "first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
+        if len(walked) <= MERGED_LISTS:
+            lists = [self._list_rows(connection, [slot], closed) for slot in walked]
+        else:
+            lists = [self._list_rows(connection, walked, closed)]
+        rows_in_order = heapq.merge(*lists, key=_place)
         while True:
-            rows = statements.execute(
-                connection, "waiting_rows", {"slots": walked, "batch": WAITING_BATCH, **after, **self._own}
-            ).all()
-            more = len(rows) == WAITING_BATCH
-            if more:
-                # The last waiter's rows of the last order key may go on in the next batch: read
-                # them again there (unless they are the whole batch: that waiter is read whole
-                # below, and the walk ends with it).
-                last_id, _slot, _count, last_round, last_first, last_parked = rows[-1][:6]
-                last = (last_id, last_round, last_first, last_parked)
-                kept = [row for row in rows if (row[0], *row[3:6]) != last]
-                more = bool(kept)
-                if more:
-                    rows = kept
-                    after = {"round": last_round, "first": last_first, "parked": last_parked, "task_id": last_id}
+            rows = list(itertools.islice(rows_in_order, WAITING_BATCH))
+            if not rows:
+                break
             waiting: dict[str, dict[str, Any]] = {}
-            for task_id, slot, count, _round, _first, _parked, task_name, weight in rows:
+            for task_id, slot, slot_count, _round, _first, _parked, task_name, weight in rows:
                 task_id = as_text(task_id)
                 if task_id in met:
-                    continue  # a row of another round of a waiter considered already
+                    continue  # a row of another list, or round, of a waiter considered already
                 # (In the order of their first places: a dict keeps it.)
-                waiter = waiting.setdefault(task_id, {"slots": {}, "count": count, "task_name": task_name})
+                waiter = waiting.setdefault(task_id, {"slots": {}, "count": slot_count, "task_name": task_name})
                 waiter["slots"][as_text(slot)] = int(weight)
-            # The waiters of several slots read in part: their rows of the other locked slots, and
-            # of other rounds (elsewhere in the order: passed by there), in one read per batch.
+            # The waiters of several slots read in part: all their rows, in one read per batch, and
+            # the sentinels of their slots not locked yet, locked now if free.
             partial = [task_id for task_id, waiter in waiting.items() if len(waiter["slots"]) < waiter["count"]]
             if partial:
                 for task_id, slot, weight in statements.execute(
-                    connection, "waiting_rows_of_tasks", {"task_ids": partial, "slots": locked}
+                    connection, "waiting_rows_of_tasks", {"task_ids": partial}
                 ):
                     waiting[as_text(task_id)]["slots"][as_text(slot)] = int(weight)
+                wanted = {slot for task_id in partial for slot in waiting[task_id]["slots"]} - held - unlockable
+                if wanted:
+                    more = [
+                        as_text(row[0])
+                        for row in statements.execute(connection, "lock_more", {"slots": sorted(wanted)})
+                    ]
+                    held.update(more)
+                    unlockable |= wanted - set(more)
+                    if more:
+                        read_room(more)
             for task_id, waiter in waiting.items():
                 met.add(task_id)
                 needed: dict[str, int] = waiter["slots"]  # slot -> the waiter's weight there
-                if len(needed) < waiter["count"]:
+                if len(needed) < waiter["count"] or not unlockable.isdisjoint(needed):
                     continue  # one of its slots is not locked here: a later release or recovery
                 misfits = {
                     slot
@@ -244,14 +267,41 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 for slot, weight in needed.items():
                     # A task id counts once, at its largest weight: a lease heavier than the one it
                     # holds already adds the difference.
-                    held = live[slot].get(task_id, 0)
-                    if weight > held:
+                    before = live[slot].get(task_id, 0)
+                    if weight > before:
                         live[slot][task_id] = weight
-                        units[slot] += min(weight, limits[slot]) - min(held, limits[slot])
+                        units[slot] += min(weight, limits[slot]) - min(before, limits[slot])
                 chosen.append((task_id, run_id))
-            if not more or all(slot in closed or units[slot] >= limits[slot] for slot in walked):
+            if all(slot in closed or units[slot] >= limits[slot] for slot in walked):
                 break
         return self._woken(connection, chosen, readmit=False)
+
+    def _list_rows(self, connection: Connection, slots: list[str], closed: set[str]) -> Iterator[Sequence[Any]]:
+        """The waiting rows of this deployment of the lists of ``slots``, in their order (merged,
+        each list's own order kept), read a batch at a time (keyset: from the last row read on),
+        until the lists end or every one of ``slots`` is in ``closed`` (which the caller fills as
+        it goes)."""
+        after: dict[str, Any] = {"round": -1, "first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
+        # The slots of the rows read at the place ``after`` (read again from there: skipped).
+        read_at_after: set[str] = set()
+        while True:
+            # (One more row per row read again, so that every batch brings a new one.)
+            batch = WAITING_BATCH + len(read_at_after)
+            params = {"slots": slots, "batch": batch, **after, **self._own}
+            rows = self.statements.execute(connection, "waiting_rows", params).all()
+            last = (after["round"], after["first"], after["parked"], after["task_id"])
+            for row in rows:
+                if _place(row) == last and as_text(row[1]) in read_at_after:
+                    continue
+                if all(slot in closed for slot in slots):
+                    return
+                yield row
+            if len(rows) < batch:
+                return
+            last_row = rows[-1]
+            last = _place(last_row)
+            read_at_after = {as_text(row[1]) for row in rows if _place(row) == last}
+            after = {"round": last_row[3], "first": last_row[4], "parked": last_row[5], "task_id": last_row[0]}
 
     def _readmit(self, connection: Connection, deadlines: Sequence[tuple[str, float]]) -> list[Woken]:
         """Dispatch, without leases, those of the tasks of ``deadlines`` (task id, seconds its copy
@@ -295,15 +345,12 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         if not released:
             return []
         # Lock the released slots first: a park that counted them full has committed by then,
-        # so its waiter is seen here.
+        # so its waiter is seen here.  (The other slots of waiters of several slots are locked
+        # as the walk meets them.)
         locked = self._lock_existing(connection, set(released))
-        waiting = self._waiting_slots(connection, locked)
-        more = sorted(waiting - set(locked))
-        if more:
-            locked += [as_text(row[0]) for row in self.statements.execute(connection, "lock_more", {"slots": more})]
-        if not waiting:
+        if not self._names(connection, "slots_waited_for", "slots", locked, self._own):
             return []
-        return self._dispatch(connection, sorted(locked), dispatch_lease_seconds, touching=set(released))
+        return self._dispatch(connection, locked, dispatch_lease_seconds, touching=set(released))
 
     def _release_and_wake(
         self, slots_of: str, delete: str, params: dict[str, Any], dispatch_lease_seconds: float
