@@ -281,9 +281,8 @@ DECLARE
     v_released_slot text;
     v_waiting boolean := false;
     -- Slots found full, or closed, in this walk (only dispatches add leases while their sentinels
-    -- are locked), and how many of them the cursors were last opened with.
+    -- are locked).
     v_full text[] := '{}';
-    v_full_when_opened integer := 0;
     v_found_full text[];
     v_full_after text[];
     -- The locked slots and their limits, v_limit_values[i] of v_limit_slots[i]; slots whose
@@ -291,6 +290,10 @@ DECLARE
     v_limit_slots text[];
     v_limit_values integer[];
     v_unlockable text[] := '{}';
+    -- The slots whose waiters (of weight 1) the cursors pass over, as last opened, and how many
+    -- slots were full or unlockable then.
+    v_held_back text[] := '{}';
+    v_skips_when_opened integer := 0;
     l_slot text;
     l_limit integer;
     l_weight integer;
@@ -299,7 +302,8 @@ DECLARE
     v_slots text[];
     v_limits integer[];
     v_weights integer[];
-    -- Waiters of several slots considered: passed by at their other places.
+    -- Waiters of several slots considered without all their rows at that place: passed by at
+    -- their other places.
     v_met text[] := '{}';
     v_read integer := 0;
     v_check_at integer := c_batch;
@@ -383,7 +387,8 @@ BEGIN
             -- weight 1 that a closed slot holds back (a heavy one is considered: the other slots
             -- it does not fit close too).  A tombstone keeps its dispatch's run id: never read.
             v_reopen := false;
-            v_full_when_opened := cardinality(v_full);
+            v_held_back := v_full || v_unlockable;
+            v_skips_when_opened := cardinality(v_held_back);
             FOR i IN 1 .. cardinality(c_slot) LOOP
                 CONTINUE WHEN h_done[i];
                 IF c_cursors[i] IS NOT NULL THEN
@@ -399,9 +404,9 @@ BEGIN
                         WHERE w.slot = c_slot[i] AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
                             AND (w.fair_round, w.first_deferred_at, w.parked_at, w.task_id)
                                 >= (h_round[i], h_first[i], h_parked[i], h_task[i])
-                            AND (cardinality(v_full) = 0 OR w.slot_count = 1 OR NOT EXISTS (
+                            AND (cardinality(v_held_back) = 0 OR w.slot_count = 1 OR NOT EXISTS (
                                 SELECT 1 FROM concurrency_waiters o
-                                WHERE o.task_id = w.task_id AND o.slot = ANY(v_full) AND o.dispatch_run_id IS NULL)
+                                WHERE o.task_id = w.task_id AND o.slot = ANY(v_held_back) AND o.dispatch_run_id IS NULL)
                             OR EXISTS (
                                 SELECT 1 FROM concurrency_waiters o
                                 WHERE o.task_id = w.task_id AND o.weight > 1 AND o.dispatch_run_id IS NULL))
@@ -412,6 +417,14 @@ BEGIN
                             w.first_deferred_at, w.parked_at
                         FROM concurrency_waiters w
                         WHERE w.slot = ANY(v_released) AND w.deployment = p_deployment AND w.dispatch_run_id IS NULL
+                            AND (w.fair_round, w.first_deferred_at, w.parked_at, w.task_id)
+                                >= (h_round[i], h_first[i], h_parked[i], h_task[i])
+                            AND (cardinality(v_held_back) = 0 OR w.slot_count = 1 OR NOT EXISTS (
+                                SELECT 1 FROM concurrency_waiters o
+                                WHERE o.task_id = w.task_id AND o.slot = ANY(v_held_back) AND o.dispatch_run_id IS NULL)
+                            OR EXISTS (
+                                SELECT 1 FROM concurrency_waiters o
+                                WHERE o.task_id = w.task_id AND o.weight > 1 AND o.dispatch_run_id IS NULL))
                         ORDER BY w.fair_round, w.first_deferred_at, w.parked_at, w.task_id;
                 END IF;
                 c_cursors[i] := v_cursor;
@@ -570,17 +583,27 @@ BEGIN
                         WHERE c.slot = u.slot AND c.expires_at > v_now GROUP BY c.task_id) t) < u.slot_limit);
             v_check_at := v_read + c_batch;
         END IF;
-        -- A slot closed since the cursors were opened: its own list is read no further, and the
-        -- others are read again from their heads without the waiters it holds back.
-        IF v_merged AND cardinality(v_full) > v_full_when_opened THEN
-            FOR i IN 1 .. cardinality(c_slot) LOOP
-                IF NOT h_done[i] AND c_slot[i] = ANY(v_full) THEN
-                    h_done[i] := true;
-                    v_cursor := c_cursors[i];
-                    CLOSE v_cursor;
-                END IF;
-            END LOOP;
-            v_reopen := true;
+        -- A slot closed (or found locked elsewhere) since the cursors were opened: its own list is
+        -- read no further, and the others are read again from their heads without the waiters it
+        -- holds back.  (One cursor of many lists, sorted, is opened again only for a slot outside
+        -- them, as a tenant's waiters' global slot in a recovery pass over the tenants' lists.)
+        IF cardinality(v_full) + cardinality(v_unlockable) > v_skips_when_opened THEN
+            IF v_merged THEN
+                FOR i IN 1 .. cardinality(c_slot) LOOP
+                    IF NOT h_done[i] AND c_slot[i] = ANY(v_full) THEN
+                        h_done[i] := true;
+                        v_cursor := c_cursors[i];
+                        CLOSE v_cursor;
+                    END IF;
+                END LOOP;
+                v_reopen := true;
+            ELSIF EXISTS (
+                SELECT 1 FROM unnest(v_full || v_unlockable) AS s(slot)
+                WHERE NOT (s.slot = ANY(v_released)) AND NOT (s.slot = ANY(v_held_back))) THEN
+                v_reopen := true;
+            ELSE
+                v_skips_when_opened := cardinality(v_full) + cardinality(v_unlockable);
+            END IF;
         END IF;
     END LOOP;
     FOR i IN 1 .. cardinality(c_slot) LOOP

@@ -179,7 +179,7 @@ concurrency_waiters = sa.Table(
         postgresql_where=sa.text(FAIR_KEYED),
         sqlite_where=sa.text(FAIR_KEYED),
     ),
-    # The (rare) waiters of several slots of a slot, which make a release lock their other slots:
+    # The waiters of several slots of a slot, whose other slots a scoped recovery pass considers:
     # found without walking the slot's list (partial where the database has partial indexes).
     sa.Index(
         "ix_concurrency_waiters_several",

@@ -269,21 +269,13 @@ TEMPLATES: dict[str, str] = {
         "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment "
         "AND slot_count > 1 AND done_until IS NULL)"
     ),
-    # Every slot of every waiting task of :deployment that waits for one of :slots (to lock them
-    # all, in order), in two reads that each cost what they find, however long the lists (their
-    # own deployment's or another's): the slots of :slots with a waiting entry (a look at the
-    # first rows of each list's part of :deployment), and every slot of the (rare) waiters of
-    # several slots (ix_concurrency_waiters_several).
+    # The slots of :slots with a waiting entry of :deployment: a look at the first rows of each
+    # list's part of :deployment, however long the lists (their own deployment's or another's).
     "slots_waited_for": (
         "SELECT s.slot FROM concurrency_slots s WHERE s.run_id = '' AND s.slot IN :slots AND "
         "(SELECT 1 FROM concurrency_waiters w WHERE w.slot = s.slot AND w.deployment = :deployment "
         "AND w.dispatch_run_id IS NULL "
         "ORDER BY w.fair_round, w.first_deferred_at LIMIT 1) IS NOT NULL"
-    ),
-    "several_waiting_slots": (
-        "SELECT DISTINCT slot FROM concurrency_waiters WHERE task_id IN "
-        "(SELECT task_id FROM concurrency_waiters WHERE slot IN :slots AND deployment = :deployment "
-        "AND slot_count > 1 AND dispatch_run_id IS NULL)"
     ),
     # The slots (of :slots, or any) with waiting entries of :deployment where a waiter may fit:
     # fewer live holders than the slot's limit, its sentinel's (read without locks: recovery

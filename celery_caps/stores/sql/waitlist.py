@@ -331,14 +331,6 @@ class SQLStore(SQLLeaseStore, ParkingStore):
         rows = self.statements.execute(connection, "lock", {"slots": sorted(slots)})
         return sorted(as_text(row[0]) for row in rows)
 
-    def _waiting_slots(self, connection: Connection, slots: Collection[str]) -> set[str]:
-        """Every slot of every waiting task of this deployment that waits for one of ``slots``:
-        those of ``slots`` with a waiting entry, and every slot of their waiters of several slots."""
-        waited = self._names(connection, "slots_waited_for", "slots", slots, self._own)
-        if not waited:
-            return waited
-        return waited | self._names(connection, "several_waiting_slots", "slots", waited, self._own)
-
     def _wake_after_release(
         self, connection: Connection, released: list[str], dispatch_lease_seconds: float
     ) -> list[Woken]:
@@ -589,22 +581,22 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                     rows = statements.execute(connection, "overdue_of", {"before": readmit_before, **of_slots(), **own})
                 overdue = [as_text(row[0]) for row in rows]
             # The slots where a waiter may fit (read without locks: a slot that gains room after
-            # this read is served by its release, or by the next recovery), and the other slots
-            # their waiters need.
+            # this read is served by its release, or by the next recovery).  The other slots their
+            # waiters need are locked as the walk meets them, as a release's are (a slot with room
+            # whose waiters all wait for a full one is walked without locking that one first).
             if scoped:
                 room = self._room_in_scope(connection, cap_names, names)
             else:
                 room = {as_text(row[0]) for row in statements.execute(connection, "all_slots_with_room", own)}
-            walked = room | self._waiting_slots(connection, room)
-            # Every sentinel at once, in slot order: readmits and dispatches change waiting entries
-            # only under the locks of their slots, as a release's dispatches do.
+            # Those sentinels at once, in slot order: readmits and dispatches change waiting
+            # entries only under the locks of their slots, as a release's dispatches do.
             readmitted = [*missed, *((task_id, dispatch_lease_seconds) for task_id in overdue)]
             readmitted_ids = [task_id for task_id, _seconds in readmitted]
             overdue_slots = self._names(connection, "slots_of_tasks", "task_ids", readmitted_ids)
-            locked = self._lock_existing(connection, walked | overdue_slots)
+            locked = self._lock_existing(connection, room | overdue_slots)
             woken = self._readmit(connection, readmitted)
             if room:
-                walk = [slot for slot in locked if slot in walked]
+                walk = [slot for slot in locked if slot in room]
                 touching = in_scope()[1] if scoped else None
                 woken += self._dispatch(connection, walk, dispatch_lease_seconds, touching=touching)
             return woken
