@@ -396,6 +396,8 @@ BEGIN
                     CLOSE v_cursor;
                 END IF;
                 v_cursor := NULL;
+                -- (The same query twice: an equality on the slot is what makes a generic plan
+                -- stream one list in its index's order, unsorted.)
                 IF c_slot[i] IS NOT NULL THEN
                     OPEN v_cursor FOR
                         SELECT w.task_id, w.slot, w.slot_count, w.task_name, w.weight, w.fair_round,
