@@ -279,8 +279,10 @@ class SQLStore(SQLLeaseStore, ParkingStore):
     def _list_rows(self, connection: Connection, slots: list[str], closed: set[str]) -> Iterator[Sequence[Any]]:
         """The waiting rows of this deployment of the lists of ``slots``, in their order (merged,
         each list's own order kept), read a batch at a time (keyset: from the last row read on),
-        until the lists end or every one of ``slots`` is in ``closed`` (which the caller fills as
-        it goes)."""
+        until the lists end, or (one list) its slot is in ``closed``, which the caller fills as it
+        goes.  (Several lists, a recovery pass's, are read on: the caller stops when each of
+        them is full or closed.)"""
+        alone = slots[0] if len(slots) == 1 else None
         after: dict[str, Any] = {"round": -1, "first": _BEFORE_ANY_TIME, "parked": _BEFORE_ANY_TIME, "task_id": ""}
         # The slots of the rows read at the place ``after`` (read again from there: skipped).
         read_at_after: set[str] = set()
@@ -293,7 +295,7 @@ class SQLStore(SQLLeaseStore, ParkingStore):
             for row in rows:
                 if _place(row) == last and as_text(row[1]) in read_at_after:
                     continue
-                if all(slot in closed for slot in slots):
+                if alone is not None and alone in closed:
                     return
                 yield row
             if len(rows) < batch:
