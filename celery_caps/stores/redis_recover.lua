@@ -175,33 +175,76 @@ if not scoped then
     end
   end
 else
-  -- The caps' slots with room and every slot their waiting (not dispatched) entries of this
-  -- deployment need, and the slots with room of the entries of the tasks named.
-  local listed = {}
+  -- The caps' slots with room where a waiting (not dispatched) entry of this deployment may
+  -- fit, every slot those entries need, and the slots with room of the entries of the tasks
+  -- named.  Entries of one signature need the same slots: one waiting entry's record per
+  -- signature is read, not every entry's.  A list whose waiters all wait for a full slot (a
+  -- tenant's, behind a global cap), none of them holding it already, is that slot's release's
+  -- to serve: it is not walked (its entries' other slots are, as before).
+  local listed, room_of, holders, full_of = {}, {}, {}, {}
   local function add(slot)
     if not listed[slot] then
       listed[slot] = true
       slots[#slots + 1] = slot
     end
   end
+  local function slot_room(slot)
+    if room_of[slot] == nil then
+      room_of[slot] = has_room(slot) and true or false
+    end
+    return room_of[slot]
+  end
+  -- A full slot's live holders: task id -> true.
+  local function holders_of(slot)
+    if holders[slot] == nil then
+      local held = {}
+      local tasks_key = slot_key(prefix, slot, 'tasks')
+      for _, task_id in ipairs(redis.call('ZRANGEBYSCORE', tasks_key, '(' .. score_text(now), '+inf')) do
+        held[task_id] = true
+      end
+      holders[slot] = held
+    end
+    return holders[slot]
+  end
   for _, slot in ipairs(named) do
     local waiters_key = lists.key(slot)
-    if redis.call('EXISTS', waiters_key) == 1 and has_room(slot) then
-      add(slot)
-      local rank, done = 0, false
+    if redis.call('EXISTS', waiters_key) == 1 and slot_room(slot) then
+      local rank, done, fits = 0, false, false
       while not done do
         local members = redis.call('ZRANGE', waiters_key, rank, rank + WALK_CHUNK - 1)
         rank = rank + WALK_CHUNK
         done = #members < WALK_CHUNK
         for _, member in ipairs(members) do
-          local task_id = waiter_task_id(member)
-          local record = own(task_id, member) and read_waiter(keys.waiting, task_id)
-          if record and is_waiting(record) then
-            for j = RECORD_SLOTS, #record do
-              add(record[j])
+          local signature, task_id = waiter_signature(member), waiter_task_id(member)
+          local full = full_of[signature]
+          if full == nil then
+            local record = own(task_id, member) and read_waiter(keys.waiting, task_id)
+            if record and is_waiting(record) then
+              full = {}
+              for j = RECORD_SLOTS, #record do
+                if record[j] ~= slot then
+                  add(record[j])
+                end
+                if not slot_room(record[j]) then
+                  full[#full + 1] = record[j]
+                end
+              end
+              full_of[signature] = full
+            end
+          end
+          if full ~= nil and not fits then
+            fits = true
+            for _, full_slot in ipairs(full) do
+              if not holders_of(full_slot)[task_id] then
+                fits = false
+                break
+              end
             end
           end
         end
+      end
+      if fits then
+        add(slot)
       end
     end
   end

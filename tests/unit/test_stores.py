@@ -1691,6 +1691,39 @@ def test_recovery_of_a_cap_serves_each_key_with_room_oldest_first_among_many_wai
     assert store.recover(DISPATCH_LEASE, caps=[cap]) == []
 
 
+def test_recovery_passes_over_a_key_whose_waiters_all_wait_for_a_full_slot_but_serves_one_holding_it(
+    store: SlotStore, prefix: str
+) -> None:
+    # Rule: recovery dispatches a waiter only where all its slots fit it.  A key with room whose
+    # waiters all need the full global slot is left to that slot's release (the stores no longer
+    # walk such a list at every pass), but a waiter whose task id holds the full slot already
+    # fits it, and is served.
+    store = parking_store(store)
+    whole, tenant = f"{prefix}global", f"{prefix}tenant"
+    quiet, busy = f"{tenant}:quiet", f"{tenant}:busy"
+    # Given the global slot full, held by a task that also waits for the busy key
+    mine = f"{prefix}mine"
+    admit(store, {whole: 1}, mine)
+    busy_holder = admit(store, {busy: 1}, f"{prefix}busy-holder")
+    assert park(store, {whole: 1, busy: 1}, mine, 1.0) == ParkOutcome.PARKED
+    # ... and, older than it, waiters of the quiet key that need the global slot too
+    quiet_holders = [admit(store, {quiet: 2}, f"{prefix}quiet-holder{i}") for i in range(2)]
+    for i in range(3):
+        assert park(store, {whole: 1, quiet: 2}, f"{prefix}quiet{i}", -1.0 + i * 0.1) == ParkOutcome.PARKED
+    # ... and both keys given room without a hand-over (as leases that expired, swept)
+    for run_id in (busy_holder, *quiet_holders):
+        assert store.release(run_id) == 1
+
+    # When a worker's recovery pass runs on both caps
+    woken = store.recover(DISPATCH_LEASE, caps=[whole, tenant])
+
+    # Then only the waiter that holds the global slot already is dispatched; the quiet key's
+    # waiters stay, in their order, and go once the global slot is released
+    assert [w.task_id for w in woken] == [mine]
+    assert [task_id for task_id, _ in listed(store, quiet)] == [f"{prefix}quiet{i}" for i in range(3)]
+    assert store.recover(DISPATCH_LEASE, caps=[whole, tenant]) == []
+
+
 def test_prune_keeps_the_slots_that_parked_tasks_wait_for(store: SlotStore, prefix: str) -> None:
     store = parking_store(store)
     cap = f"{prefix}tenant"

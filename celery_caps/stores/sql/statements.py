@@ -304,6 +304,20 @@ TEMPLATES: dict[str, str] = {
         "(SELECT task_id FROM concurrency_waiters{several_index} WHERE (slot = :cap OR {slot_starts_with}) "
         "AND deployment = :deployment AND slot_count > 1 AND done_until IS NULL)"
     ),
+    # Those of :slots (the slots with room, as above) where a waiting entry of :deployment may
+    # fit: one whose every other slot is among :slots too, or held by its task id already (a
+    # list whose waiters all wait for a full slot is left to that slot's release).  Per slot, its
+    # list read up to the first such entry; each row, its entry's other rows by
+    # ix_concurrency_waiters_task_id.  No locks: recovery locks the slots it keeps.
+    "slots_with_a_fitting_waiter": (
+        "SELECT n.slot FROM concurrency_waitlists n WHERE n.slot IN :slots AND EXISTS ("
+        "SELECT 1 FROM concurrency_waiters w WHERE w.slot = n.slot AND w.deployment = :deployment "
+        "AND w.dispatch_run_id IS NULL AND (w.slot_count = 1 OR NOT EXISTS ("
+        "SELECT 1 FROM concurrency_waiters o WHERE o.task_id = w.task_id AND o.done_until IS NULL "
+        "AND o.slot NOT IN :slots AND NOT EXISTS ("
+        "SELECT 1 FROM concurrency_slots c WHERE c.task_id = o.task_id AND c.slot = o.slot "
+        "AND c.expires_at > {now}))))"
+    ),
     "all_slots_with_room": (_LISTS_AND_SENTINELS + "WHERE n.entries > 0 AND " + _ROOM_FOR_A_WAITER),
     # The limits of :slots: the operators', else their sentinels' (a dispatch counts against
     # these, never against the limits its waiters were parked under).

@@ -582,14 +582,19 @@ class SQLStore(SQLLeaseStore, ParkingStore):
                 elif in_scope()[1]:
                     rows = statements.execute(connection, "overdue_of", {"before": readmit_before, **of_slots(), **own})
                 overdue = [as_text(row[0]) for row in rows]
-            # The slots where a waiter may fit (read without locks: a slot that gains room after
-            # this read is served by its release, or by the next recovery).  The other slots their
-            # waiters need are locked as the walk meets them, as a release's are (a slot with room
-            # whose waiters all wait for a full one is walked without locking that one first).
+            # The slots with room and waiters (read without locks: a slot that gains room after
+            # this read is served by its release, or by the next recovery).  Of those, the slots
+            # where a waiter may fit, its other slots having room too: a list whose waiters all
+            # wait for a full slot (a tenant's, behind a global cap) is that slot's release's to
+            # serve, not locked and walked at every pass.  (Past one batch of names, every slot
+            # with room is walked.)  The other slots the walk's waiters need are locked as it
+            # meets them, as a release's are.
             if scoped:
                 room = self._room_in_scope(connection, cap_names, names)
             else:
                 room = {as_text(row[0]) for row in statements.execute(connection, "all_slots_with_room", own)}
+            if room and len(room) <= BATCH:
+                room = self._names(connection, "slots_with_a_fitting_waiter", "slots", room, own)
             # Those sentinels at once, in slot order: readmits and dispatches change waiting
             # entries only under the locks of their slots, as a release's dispatches do.
             readmitted = [*missed, *((task_id, dispatch_lease_seconds) for task_id in overdue)]
