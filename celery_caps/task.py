@@ -104,6 +104,8 @@ class CappedTask(Task):  # type: ignore[misc]
     cap: Cap | Sequence[Cap] | None = None
     #: Main-process hooks that release the slots of a child killed mid-run.
     Request = "celery_caps.worker:CappedRequest"
+    #: The worker's message handler: a woken copy starts before the arrivals that wait for a pool process.
+    Strategy = "celery_caps.worker:capped_strategy"
 
     _caps: ClassVar[tuple[Cap, ...]] = ()
 

@@ -15,16 +15,19 @@ import logging
 import os
 import random
 import threading
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import Terminated, TimeLimitExceeded, WorkerLostError
 from celery import bootsteps, signals, states
 from celery.worker.request import Request
+from celery.worker.strategy import default as default_strategy
 
 from . import handover
 from .errors import ConfigurationError, StoreError
 from .health import CheckResult, check_store
+from .messages import DISPATCH_HEADER
 from .settings import CapsSettings
 from .stores import store_from_url
 from .stores.base import ParkingStore
@@ -84,6 +87,65 @@ def _release_dead_run(request: Request, reason: str) -> None:
     runtime.in_background(
         f"releasing {task_id} after {reason}", lambda: handover.release_holder(runtime, task_id, holder)
     )
+
+
+def capped_strategy(task: Any, app: Any, consumer: Any, **kwargs: Any) -> Callable[..., None]:
+    """The message handler of a capped task in the worker: Celery's default, then a woken copy
+    that waits for a free pool process goes ahead of the arrivals waiting there
+    (``CappedTask.Strategy``).
+
+    A woken copy's slots are reserved for it from its dispatch on.  Behind a prefetch buffer of
+    new arrivals (Celery's default prefetch takes four per pool process), each of which may only
+    park, they would stay reserved and unused.
+    """
+    handle = default_strategy(task, app, consumer, **kwargs)
+
+    def handle_message(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **options: Any) -> None:
+        handle(message, body, ack, reject, callbacks, **options)
+        headers = getattr(message, "headers", None) or {}
+        if headers.get(DISPATCH_HEADER):
+            _ahead_of_arrivals(consumer, headers.get("id"))
+
+    return handle_message
+
+
+def _ahead_of_arrivals(consumer: Any, task_id: str | None) -> None:
+    """Move the request of ``task_id``, just handed on, before the requests that wait for a free
+    pool process, behind the woken copies that wait there already.
+
+    A request waits in the worker's semaphore (prefork, Celery's default ``pool_putlocks``: its
+    waiters are ``(callback, (request,), kwargs)``), or in prefork's own buffer without it (its
+    jobs carry the task id as ``correlation_id``); last, as it was just handed on.  Other pools
+    take a request when they have room, and a request held for its ETA is not handed on yet:
+    either way nothing moves.
+    """
+    semaphore = getattr(getattr(consumer, "controller", None), "semaphore", None)
+    _move_ahead(getattr(semaphore, "_waiting", None), task_id, lambda waiter: (waiter[1] or (None,))[0])
+    buffer = getattr(getattr(getattr(consumer, "pool", None), "_pool", None), "outbound_buffer", None)
+    _move_ahead(buffer, task_id, lambda job: job)
+
+
+def _move_ahead(waiting: Any, task_id: str | None, holder_of: Callable[[Any], Any]) -> None:
+    """Move the last of ``waiting`` (a deque), if it holds ``task_id``, behind the woken copies
+    at its head; ``holder_of`` gives what an item holds: a request (its ``id``) or a job (its
+    ``correlation_id``), marked once woken."""
+    if not waiting or task_id is None:
+        return
+    last = holder_of(waiting[-1])
+    if task_id not in (getattr(last, "id", None), getattr(last, "correlation_id", None)):
+        return
+    item = waiting.pop()
+    place = 0
+    for queued in waiting:
+        if not getattr(holder_of(queued), _WOKEN_MARK, False):
+            break
+        place += 1
+    setattr(last, _WOKEN_MARK, True)
+    waiting.insert(place, item)
+
+
+#: The attribute that marks a woken copy's request or job where it waits (see _move_ahead).
+_WOKEN_MARK = "caps_woken"
 
 
 class CappedRequest(Request):  # type: ignore[misc]

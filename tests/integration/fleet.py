@@ -391,16 +391,20 @@ class Fleet:
                 live.append({**json.loads(document), "token": token.decode(), "start": float(start)})
         return live
 
+    def redis_broker_queued(self) -> int:
+        """Redis broker only: the messages that wait in this fleet's queues (not taken by a worker)."""
+        client = self.recorder.client
+        queued = 0
+        for queue in self.extra_queues:
+            for key in client.scan_iter(match=f"{self.prefix}kombu:{queue}*"):
+                if client.type(key) == b"list":
+                    queued += client.llen(key)
+        return queued
+
     def redis_broker_idle(self) -> bool:
         """Redis broker only: no message waits in this fleet's queues and none is unacknowledged
         (ETA/countdown messages held by a worker are unacknowledged too)."""
-        client = self.recorder.client
-        kombu_prefix = f"{self.prefix}kombu:"
-        for queue in self.extra_queues:
-            for key in client.scan_iter(match=f"{kombu_prefix}{queue}*"):
-                if client.type(key) == b"list" and client.llen(key):
-                    return False
-        return not client.hlen(f"{kombu_prefix}unacked")
+        return not self.redis_broker_queued() and not self.recorder.client.hlen(f"{self.prefix}kombu:unacked")
 
     def tails(self, workers: Iterable[Worker] | None = None, lines: int = 60) -> str:
         return "\n".join(worker.tail(lines) for worker in (self.workers if workers is None else workers))

@@ -143,6 +143,45 @@ def test_a_woken_task_overtakes_its_queue_backlog_and_keeps_its_queue(make_fleet
     assert fleet.leases() == []
 
 
+def test_a_woken_task_overtakes_the_arrivals_in_its_workers_prefetch_buffer(make_fleet: FleetFactory) -> None:
+    # Rule: a woken copy's slot is reserved for it from its dispatch on, so the worker starts it
+    # before the arrivals that wait in its prefetch buffer for a free pool process.
+    redis_url = require_service("redis")
+    fleet = make_fleet(
+        broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park", prefetch=4
+    )
+    scope = uuid.uuid4().hex[:16]
+    fleet.start(1, concurrency=2)
+
+    # Given a task holding a slot of limit 1, another parked behind it, and a long task on a
+    # slot of its own in the worker's other process
+    holder = fleet.app.send_task("fleet.hold", args=[scope, 1.0]).id
+    wait_for(lambda: fleet.record().starts[holder] == 1, 15, "the holder never started")
+    woken = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
+    wait_for(lambda: any(w.task_id == woken for w in fleet.store.waiters()), 10, "the second task was never parked")
+    long_task = fleet.app.send_task("fleet.hold", args=[uuid.uuid4().hex[:16], 3.0]).id
+    wait_for(lambda: fleet.record().starts[long_task] == 1, 15, "the long task never started")
+    # ... and four short tasks on other slots, received at once into the worker's prefetch
+    # buffer (2 processes x 4), where they wait for a free process
+    backlog = [fleet.app.send_task("fleet.hold", args=[uuid.uuid4().hex[:16], 0.5]).id for _ in range(4)]
+    wait_for(lambda: not fleet.redis_broker_queued(), 10, "the worker never took the short tasks")
+
+    # When the holder ends and its release wakes the parked task
+    wait_for(lambda: fleet.record().done[woken] == 1, 30, "the woken task never ran")
+    wait_for(lambda: all(fleet.record().done[task_id] for task_id in backlog), 30, "the backlog never ran")
+
+    # Then the woken task started before every short task that still waited in the buffer when
+    # its copy came (buffer order would start it after all of them: at least two seconds later)
+    record = fleet.record()
+    woken_start = record.runs_of(woken)[0].start
+    released = record.runs_of(holder)[0].end or 0
+    backlog_starts = sorted(run.start for task_id in backlog for run in record.runs_of(task_id))
+    waiting_then = [start for start in backlog_starts if start > released + 0.2]
+    assert len(waiting_then) >= 2, f"the buffer was nearly done when the holder released: {backlog_starts}"
+    assert woken_start < waiting_then[0], f"woken at {woken_start}, after {waiting_then}"
+    assert fleet.leases() == []
+
+
 def test_tasks_sent_while_their_cap_is_full_wait_in_the_store_and_cost_one_message(make_fleet: FleetFactory) -> None:
     redis_url = require_service("redis")
     fleet = make_fleet(broker=redis_url, caps_url=require_service("postgres"), strategy="park", conf=PARK_ON_PUBLISH)
