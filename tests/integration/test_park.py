@@ -107,17 +107,25 @@ def test_parked_tasks_are_woken_once_each_and_caps_hold(make_fleet: FleetFactory
     fleet.sweep_to_sentinels()
 
 
-def test_a_woken_task_overtakes_its_queue_backlog_and_keeps_its_queue(make_fleet: FleetFactory) -> None:
+def _one_worker_with_a_holder_and_a_waiter(make_fleet: FleetFactory, **settings: Any) -> tuple[Fleet, str, str]:
+    """One worker (-c 2, PostgreSQL store, park), a task holding a slot of limit 1 for a second,
+    and another parked behind it: the fleet and the two task ids."""
     redis_url = require_service("redis")
-    fleet = make_fleet(broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park")
+    fleet = make_fleet(
+        broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park", **settings
+    )
     scope = uuid.uuid4().hex[:16]
     fleet.start(1, concurrency=2)
-
-    # Given a task holding a slot of limit 1 and another task parked behind it
     holder = fleet.app.send_task("fleet.hold", args=[scope, 1.0]).id
     wait_for(lambda: fleet.record().starts[holder] == 1, 15, "the holder never started")
     woken = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
     wait_for(lambda: any(w.task_id == woken for w in fleet.store.waiters()), 10, "the second task was never parked")
+    return fleet, holder, woken
+
+
+def test_a_woken_task_overtakes_its_queue_backlog_and_keeps_its_queue(make_fleet: FleetFactory) -> None:
+    # Given a task holding a slot of limit 1 and another task parked behind it
+    fleet, holder, woken = _one_worker_with_a_holder_and_a_waiter(make_fleet)
     # ... and a backlog of twelve tasks on other slots queued behind it (run one at a time
     # by the worker's other process)
     backlog = [fleet.app.send_task("fleet.hold", args=[uuid.uuid4().hex[:16], 0.3]).id for _ in range(12)]
@@ -146,19 +154,9 @@ def test_a_woken_task_overtakes_its_queue_backlog_and_keeps_its_queue(make_fleet
 def test_a_woken_task_overtakes_the_arrivals_in_its_workers_prefetch_buffer(make_fleet: FleetFactory) -> None:
     # Rule: a woken copy's slot is reserved for it from its dispatch on, so the worker starts it
     # before the arrivals that wait in its prefetch buffer for a free pool process.
-    redis_url = require_service("redis")
-    fleet = make_fleet(
-        broker=redis_url, backend=redis_url, caps_url=require_service("postgres"), strategy="park", prefetch=4
-    )
-    scope = uuid.uuid4().hex[:16]
-    fleet.start(1, concurrency=2)
-
     # Given a task holding a slot of limit 1, another parked behind it, and a long task on a
     # slot of its own in the worker's other process
-    holder = fleet.app.send_task("fleet.hold", args=[scope, 1.0]).id
-    wait_for(lambda: fleet.record().starts[holder] == 1, 15, "the holder never started")
-    woken = fleet.app.send_task("fleet.hold", args=[scope, 0.1]).id
-    wait_for(lambda: any(w.task_id == woken for w in fleet.store.waiters()), 10, "the second task was never parked")
+    fleet, holder, woken = _one_worker_with_a_holder_and_a_waiter(make_fleet, prefetch=4)
     long_task = fleet.app.send_task("fleet.hold", args=[uuid.uuid4().hex[:16], 3.0]).id
     wait_for(lambda: fleet.record().starts[long_task] == 1, 15, "the long task never started")
     # ... and four short tasks on other slots, received at once into the worker's prefetch
