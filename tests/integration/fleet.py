@@ -573,9 +573,11 @@ class Fleet:
             # Redis, fields of the shared limits hash): deleted too, if the store answers now (a
             # chaos test may have left it down: its rows are then its own database's, or expire).
             with contextlib.suppress(Exception):
-                delete_slot_rows(self.store, self.cap_prefix)
-            with contextlib.suppress(Exception):
-                self.store.close()
+                store = self.store  # one attempt to reach it, not one per step
+                try:
+                    delete_slot_rows(store, self.cap_prefix)
+                finally:
+                    store.close()
         close_client_app(self.app)
 
 
