@@ -16,6 +16,10 @@ and with 1. Reported:
   published, over the tasks completed;
 - nothing lost, nothing run twice, and the *peak* runs at once, globally and per tenant, from
   the bodies' own start and end times.
+
+On PostgreSQL, where the store's time goes while sending (``store_activity.py``): the mean busy
+backends per statement, on the CPU, waiting for their commit's WAL flush or for a lock, in a note
+and in the results file.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 from .clients import caps_url_for, drop_slots, vacuum_database
 from .common import CpuSteal, Figure, Options, Report, at_least, at_most, reachable, service_url
+from .store_activity import StoreActivity, summary
 from .utilisation import _peak
 from .workers import BenchFleet, fleet_env, wait_for
 
@@ -74,13 +79,15 @@ def run(report: Report, options: Options) -> None:
                     f"{OFFERED_PER_SECOND} tasks/s for {send_seconds} s"
                 )
                 fleet.start(WORKERS, CONCURRENCY)
-                trial = run_trial(fleet, send_seconds)
+                trial = run_trial(fleet, send_seconds, caps_url)
                 options.log(
                     f"[soak] {store}, prefetch {prefetch}: use {trial['use']:.3f}, held {trial['held']:.3f}, "
                     f"{trial['messages_per_task']:.2f} messages/task, {trial['completed']}/{trial['sent']} done, "
                     f"CPU steal {trial['cpu_steal']:.1%}"
                 )
                 report_trial(report, store, prefetch, trial, send_seconds)
+                if "store_activity" in trial:
+                    report.note(f"soak, {store}, prefetch {prefetch}, store: {summary(trial['store_activity'])}")
             except Exception as exc:  # the next variant still runs
                 report.note(f"soak on {store}, prefetch {prefetch} failed: {type(exc).__name__}: {str(exc)[:300]}")
                 options.log(f"[soak] {store}, prefetch {prefetch}: FAILED: {type(exc).__name__}: {str(exc)[:300]}")
@@ -89,12 +96,13 @@ def run(report: Report, options: Options) -> None:
                 drop_slots(caps_url, prefix)
 
 
-def run_trial(fleet: BenchFleet, send_seconds: int) -> dict[str, Any]:
+def run_trial(fleet: BenchFleet, send_seconds: int, caps_url: str) -> dict[str, Any]:
     fleet.reset_records()
     queue = fleet.new_queue()
     fleet.consume(queue)
     time.sleep(1.2)  # every worker listening to the new queue (kombu's BRPOP timeout)
     steal = CpuSteal()
+    activity = StoreActivity(caps_url).start() if caps_url.startswith("postgresql") else None
     publishes_before = fleet.worker_publishes()
     rng = random.Random(34)
     sent = published = 0
@@ -108,6 +116,7 @@ def run_trial(fleet: BenchFleet, send_seconds: int) -> dict[str, Any]:
         if pause > 0:
             time.sleep(pause)
     window_end = time.time()
+    sampled = activity.stop() if activity is not None else None
     backlog_seconds = sent * TASK_MS / 1000 / GLOBAL_LIMIT
     drained = True
     try:
@@ -122,6 +131,8 @@ def run_trial(fleet: BenchFleet, send_seconds: int) -> dict[str, Any]:
         result["completed"], 1
     )
     result["cpu_steal"] = steal.fraction()
+    if sampled is not None:
+        result["store_activity"] = sampled
     return result
 
 

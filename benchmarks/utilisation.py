@@ -346,7 +346,7 @@ def _linear_fit(positions: list[float], waits: list[float]) -> tuple[float, floa
     return slope, r * r
 
 
-def _peak(runs: list[dict[str, Any]], key: str | None = None) -> int:
+def _peak(runs: list[dict[str, Any]]) -> int:
     events = []
     for run in runs:
         events.append((run["start"], 1))
