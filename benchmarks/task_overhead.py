@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from .clients import caps_url_for, drop_slots
 from .common import Figure, Options, Report, at_least, median, ratio, reachable, service_url
 from .workers import BenchFleet, fleet_env
@@ -194,3 +196,11 @@ def measure_sending(report: Report, options: Options, broker: str, caps_url: str
                 connection.default_channel.queue_purge(queue)
             app.close()
             drop_slots(caps_url, cap.name)
+            # The queue's bindings, which a purge leaves behind (kombu keeps them under the
+            # transport's key prefix).
+            broker_client = redis.Redis.from_url(broker)
+            try:
+                for key in broker_client.scan_iter(match=f"{options.run_prefix}kombu:*", count=1000):
+                    broker_client.delete(key)
+            finally:
+                broker_client.close()
