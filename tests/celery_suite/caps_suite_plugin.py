@@ -69,6 +69,13 @@ DESELECTED: dict[str, str] = {
 #: Tests rerun (up to twice) when they fail, with the race in Celery that fails them now and then
 #: (node id suffix -> reason).  Celery's own ``@flaky`` marks are removed: no other test is rerun.
 RERUN: dict[str, str] = {
+    "test_tasks.py::test_task_replacement::test_replaced_task_nesting_level_0": (
+        "the test resets its flag (assertion_result = False) after delay() returns, while its "
+        "task_received handler sets it in the embedded worker's consumer thread: a worker that "
+        "receives the task before the test thread's next statement has its True overwritten.  In "
+        "runs of `-k test_replaced_task_nesting` with Celery 5.7.0 it failed in 2 of 10 uncapped "
+        "and 1 of 10 under the binding cap (and failed a CI run)"
+    ),
     "test_tasks.py::test_task_redis_result_backend::test_retry_preserves_ignore_result_false": (
         "Celery sends the retry's message before the first attempt stores RETRY, and "
         "_store_result's guard against overwriting SUCCESS reads, then writes: a retried attempt "
