@@ -28,7 +28,7 @@ sys.path.append(str(Path(__file__).resolve().parents[3]))
 import psycopg
 import sqlalchemy as sa
 
-from benchmarks.common import bench_database_url
+from benchmarks.common import bench_database_url, drop_databases
 from celery_caps.stores import store_from_url
 from celery_caps.stores.base import ParkRequest
 
@@ -95,8 +95,7 @@ def main() -> None:
             print(f"park + release_and_wake, server work alone: {server:.3f} ms a pair")
     finally:
         store.close()
-        with sa.create_engine(base, isolation_level="AUTOCOMMIT").connect() as connection:
-            connection.exec_driver_sql(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
+        drop_databases(base, [DATABASE])
 
 
 if __name__ == "__main__":
